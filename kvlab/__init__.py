@@ -1,0 +1,18 @@
+"""kvlab: an exact, inspectable KV-cache inference engine for Llama-family models, in NumPy."""
+
+from kvlab.cache import KVCache, MemoryReport, kv_bytes_per_token
+from kvlab.config import ModelConfig, tiny_config
+from kvlab.engine.generate import generate, stream_generate
+from kvlab.engine.sampling import SamplingParams
+from kvlab.errors import (CacheMismatchError, CheckpointError, ConfigError, ContextLengthError, InputError,
+                          KVLabError)
+from kvlab.model.layers import apply_rope, grouped_attention
+from kvlab.model.llama import ForwardOutput, LlamaModel, TinyLlama
+from kvlab.tokenizer import ByteTokenizer
+
+__all__ = [
+    "ByteTokenizer", "CacheMismatchError", "CheckpointError", "ConfigError", "ContextLengthError",
+    "ForwardOutput", "InputError", "KVCache", "KVLabError", "LlamaModel", "MemoryReport", "ModelConfig",
+    "SamplingParams", "TinyLlama", "apply_rope", "generate", "grouped_attention", "kv_bytes_per_token",
+    "stream_generate", "tiny_config",
+]

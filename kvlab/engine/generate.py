@@ -1,0 +1,81 @@
+"""The generate loop: prefill the prompt once, then decode one token per step from the cache.
+
+`stream_generate` yields each step's tokens as they are chosen; `generate` collects them. With
+`use_cache=False` every step recomputes the whole prefix instead (same tokens, for comparison).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from kvlab.cache.kv_cache import KVCache
+from kvlab.engine.sampling import Sampler, SamplingParams
+from kvlab.errors import ContextLengthError, InputError
+from kvlab.model.llama import LlamaModel, validate_ids
+
+
+def stream_generate(model: LlamaModel, ids: Any, max_new_tokens: int | None = None, *,
+                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                    seed: int | None = None, stop_token_ids: Iterable[int] = (),
+                    pad_token_id: int | None = None, use_cache: bool = True,
+                    cache: KVCache | None = None, kv_dtype: object = None) -> Iterator[np.ndarray]:
+    """Yield a [B] array of token ids per step.
+
+    `ids` [B, T] is the prompt (with a `cache`, only the positions after it). A row that emits one of
+    `stop_token_ids` is finished: later steps give it `pad_token_id` (default: the first stop id) and the
+    loop ends when every row is finished or `max_new_tokens` (None = to the end of the context) is reached.
+    The last token chosen is not fed back, so the cache ends holding every position but that one.
+    """
+    ids = validate_ids(ids, model.config.vocab_size)
+    params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+    stop = np.array(sorted({int(t) for t in stop_token_ids}), dtype=np.int64)
+    pad = int(stop[0]) if pad_token_id is None and stop.size else (pad_token_id or 0)
+    start = cache.get_seq_length() if cache is not None else 0
+    context = model.config.max_position_embeddings
+    room = context - start - ids.shape[1]
+    if max_new_tokens is None:
+        max_new_tokens = room + 1  # the last chosen token needs no position of its own
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+        raise InputError(f"max_new_tokens must be a non-negative int or None, got {max_new_tokens!r}")
+    if room < 0 or max_new_tokens - 1 > room:
+        raise ContextLengthError(
+            f"{start + ids.shape[1]} prompt tokens + {max_new_tokens} new tokens exceed the model's "
+            f"context of {context} tokens (max_position_embeddings)")
+    if max_new_tokens == 0:
+        return iter(())
+    if cache is not None:
+        cache.check_compatible(model.cache_spec, ids.shape[0])
+    if use_cache and cache is None:
+        cache = model.new_cache(ids.shape[0], kv_dtype, capacity=start + ids.shape[1] + max_new_tokens)
+    # Everything above runs at call time, so bad arguments raise here, not at the first next().
+    return _steps(model, ids, int(max_new_tokens), Sampler(params), stop, pad, use_cache, cache)
+
+
+def _steps(model: LlamaModel, ids: np.ndarray, max_new_tokens: int, sampler: Sampler, stop: np.ndarray,
+           pad: int, use_cache: bool, cache: KVCache | None) -> Iterator[np.ndarray]:
+    finished = np.zeros(ids.shape[0], dtype=bool)
+    sequence = step_input = ids
+    for step in range(max_new_tokens):
+        if use_cache:
+            logits = model.forward(step_input, cache=cache, use_cache=True, logits_to_keep=1).logits
+        else:
+            logits = model.forward(sequence, logits_to_keep=1).logits
+        tokens = np.where(finished, pad, sampler(logits[:, -1]))
+        finished |= np.isin(tokens, stop)
+        yield tokens
+        if finished.all() or step == max_new_tokens - 1:
+            return
+        step_input = tokens[:, None]
+        if not use_cache:
+            sequence = np.concatenate([sequence, step_input], axis=1)
+
+
+def generate(model: LlamaModel, ids: Any, max_new_tokens: int | None = None, **kwargs: Any) -> np.ndarray:
+    """The new token ids only, [B, n]; see `stream_generate` for the arguments."""
+    ids = validate_ids(ids, model.config.vocab_size)
+    steps = list(stream_generate(model, ids, max_new_tokens, **kwargs))
+    if not steps:
+        return np.zeros((ids.shape[0], 0), dtype=np.int64)
+    return np.stack(steps, axis=1)

@@ -1,0 +1,73 @@
+"""Choosing the next token from logits: greedy, or seeded sampling with temperature/top-k/top-p/min-p.
+
+Parameter names and meanings follow vLLM's SamplingParams: temperature 0 is greedy; top_k 0 or -1 is
+off; top_p 1.0 is off; min_p 0.0 is off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvlab.errors import InputError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise InputError(f"temperature must be >= 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise InputError(f"top_k must be an int >= -1 (0 or -1 = off), got {self.top_k!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InputError(f"min_p must be in [0, 1], got {self.min_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Sampler:
+    """Turns [B, vocab] logits into [B] token ids; owns the seeded generator so runs are reproducible."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def probabilities(self, logits: np.ndarray) -> np.ndarray:
+        """The distribution sampled from, after temperature and the top-k/top-p/min-p filters."""
+        p = self.params
+        scaled = np.asarray(logits, dtype=np.float64) / p.temperature
+        if p.top_k > 0 and p.top_k < scaled.shape[-1]:
+            kth = np.partition(scaled, -p.top_k, axis=-1)[:, -p.top_k][:, None]
+            scaled = np.where(scaled >= kth, scaled, -np.inf)
+        probs = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+        if p.top_p < 1.0:
+            order = np.argsort(-probs, axis=-1, kind="stable")
+            sorted_probs = np.take_along_axis(probs, order, axis=-1)
+            # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
+            drop_sorted = (np.cumsum(sorted_probs, axis=-1) - sorted_probs) >= p.top_p
+            drop = np.zeros_like(drop_sorted)
+            np.put_along_axis(drop, order, drop_sorted, axis=-1)
+            probs = np.where(drop, 0.0, probs)
+        if p.min_p > 0.0:
+            probs = np.where(probs >= p.min_p * probs.max(axis=-1, keepdims=True), probs, 0.0)
+        return probs / probs.sum(axis=-1, keepdims=True)
+
+    def __call__(self, logits: np.ndarray) -> np.ndarray:
+        if self.params.greedy:
+            return np.argmax(logits, axis=-1).astype(np.int64)
+        probs = self.probabilities(logits)
+        u = self.rng.random((probs.shape[0], 1))
+        choice = (np.cumsum(probs, axis=-1) < u).sum(axis=-1)
+        return np.minimum(choice, probs.shape[-1] - 1).astype(np.int64)

@@ -1,0 +1,152 @@
+"""The decoder's building blocks as pure functions on NumPy arrays.
+
+Each function is the formula from the paper with the layout transformers uses, so a reader can check one
+against the other: RMSNorm, rotary position embeddings (the rotate-half convention), grouped-query
+attention with a mask built from absolute positions, and the SwiGLU MLP.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x / sqrt(mean(x^2) + eps) * weight, over the last axis."""
+    variance = np.mean(np.square(x), axis=-1, keepdims=True)
+    return x * (1.0 / np.sqrt(variance + eps)) * weight
+
+
+def rope_inv_freq(head_dim: int, theta: float = 10000.0, scaling: dict[str, Any] | None = None,
+                  dtype: Any = np.float64) -> np.ndarray:
+    """Per-pair rotation frequencies theta^(-2i/d), with HF's "linear" and "llama3" rescaling.
+
+    Computed in `dtype` (float32 for float32 models, as transformers does) so angles round the same way.
+    """
+    dtype = np.dtype(dtype)
+    exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(dtype) / dtype.type(head_dim)
+    inv_freq = (1.0 / (dtype.type(theta) ** exponent)).astype(dtype)
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "linear":
+        inv_freq = inv_freq / dtype.type(scaling["factor"])
+    elif kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = np.where(medium, smoothed, scaled).astype(dtype)
+    elif kind != "default":
+        raise ValueError(f"unsupported rope type {kind!r}")
+    return inv_freq
+
+
+def rope_cos_sin(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin tables [..., T, d] for absolute `positions` [..., T]."""
+    angles = np.asarray(positions)[..., None].astype(inv_freq.dtype) * inv_freq
+    angles = np.concatenate([angles, angles], axis=-1)
+    return np.cos(angles), np.sin(angles)
+
+
+def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x * cos + rotate_half(x) * sin, where rotate_half(x) = [-x2, x1] on the two halves of the last axis."""
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def apply_rope(x: np.ndarray, positions: Any, theta: float = 10000.0,
+               inv_freq: np.ndarray | None = None) -> np.ndarray:
+    """Rotate x [B, H, T, d] (or [..., T, d]) by RoPE at absolute `positions` ([T], or [B, T] per row).
+
+    Keys are rotated once, at the position where they are written; cached keys are never rotated again.
+    """
+    x = np.asarray(x)
+    positions = np.asarray(positions)
+    if inv_freq is None:
+        dtype = x.dtype if x.dtype in (np.float32, np.float64) else np.float64
+        inv_freq = rope_inv_freq(x.shape[-1], theta, dtype=dtype)
+    cos, sin = rope_cos_sin(positions, inv_freq)
+    if positions.ndim == 2 and x.ndim == 4:
+        cos, sin = cos[:, None], sin[:, None]  # per-row positions broadcast over heads
+    return rotate(x, cos.astype(x.dtype, copy=False), sin.astype(x.dtype, copy=False))
+
+
+def attention_mask(query_positions: np.ndarray, key_positions: np.ndarray, *, causal: bool = True,
+                   sliding_window: int | None = None) -> np.ndarray | None:
+    """Boolean [..., Tq, Tk] mask of allowed (query, key) pairs from absolute positions, or None if all are.
+
+    Causal: key <= query. Sliding window W (Mistral): query - W < key. Never a local triangle: with a cache,
+    query i sits at position num_cached_tokens + i.
+    """
+    q = np.asarray(query_positions)[..., :, None]
+    k = np.asarray(key_positions)[..., None, :]
+    if causal and sliding_window is None and k.max() <= q.min():
+        return None  # a decode step with no window: every cached key is visible
+    allowed = np.ones(np.broadcast_shapes(q.shape, k.shape), dtype=bool)
+    if causal:
+        allowed &= k <= q
+    if sliding_window is not None:
+        allowed &= k > q - sliding_window
+    return allowed
+
+
+def softmax(scores: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+    """Softmax over the last axis; masked entries get probability 0 (a fully masked row gives zeros)."""
+    if mask is not None:
+        scores = np.where(mask, scores, -np.inf)
+    row_max = np.max(scores, axis=-1, keepdims=True)
+    if mask is not None:
+        row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    weights = np.exp(scores - row_max)
+    total = np.sum(weights, axis=-1, keepdims=True)
+    if mask is not None:
+        total = np.where(total > 0, total, 1.0)
+    return weights / total
+
+
+def grouped_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, query_positions: Any,
+                      key_positions: Any, causal: bool = True, sliding_window: int | None = None,
+                      scale: float | None = None) -> np.ndarray:
+    """Scaled dot-product attention with compact KV heads (GQA/MQA/MHA).
+
+    q: [B, H_q, T_new, d]; k, v: [B, H_kv, T_all, d]; positions: [T] or per-row [B, T].
+    Query head h reads KV head h // (H_q / H_kv), the grouping transformers uses. K/V are never repeated:
+    the G query heads of a group are stacked with their positions into one matmul against their KV head.
+    Returns [B, H_q, T_new, d] for the new queries only.
+    """
+    batch, num_heads, num_new, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads cannot be grouped over {num_kv_heads} KV heads")
+    group = num_heads // num_kv_heads
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    qg = q.reshape(batch, num_kv_heads, group * num_new, head_dim)
+    scores = (qg @ np.swapaxes(k, -1, -2)) * q.dtype.type(scale)  # [B, H_kv, G*T_new, T_all]
+    mask = attention_mask(np.asarray(query_positions), np.asarray(key_positions), causal=causal,
+                          sliding_window=sliding_window)
+    if mask is not None:
+        shape = scores.shape
+        scores = scores.reshape(batch, num_kv_heads, group, num_new, shape[-1])
+        if mask.ndim == 3:  # per-row positions: [B, Tq, Tk] -> [B, 1, 1, Tq, Tk]
+            mask = mask[:, None, None]
+        probs = softmax(scores, mask).reshape(shape)
+    else:
+        probs = softmax(scores)
+    out = probs.astype(v.dtype, copy=False) @ v  # [B, H_kv, G*T_new, d]
+    return out.reshape(batch, num_heads, num_new, head_dim)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return x / (1.0 + np.exp(-x))
+
+
+def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """SiLU(gate) * up: the gated activation of the Llama MLP."""
+    return silu(gate) * up

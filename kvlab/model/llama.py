@@ -1,0 +1,205 @@
+"""The Llama-family decoder: embed -> blocks (attention, SwiGLU MLP) -> norm -> head.
+
+One forward pass handles prefill, chunked prefill and decode alike: `ids` are the new positions, which
+start at the cache's num_cached_tokens. Weights are fused on load (q/k/v into one matrix, gate/up into
+another) and kept as [in, out] so every projection is one `x @ W`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from kvlab.cache.base import CacheSpec
+from kvlab.cache.contiguous import MIN_CAPACITY
+from kvlab.cache.kv_cache import KVCache
+from kvlab.config import ModelConfig, tiny_config
+from kvlab.errors import ContextLengthError, InputError
+from kvlab.model.layers import grouped_attention, rms_norm, rope_inv_freq, rotate, swiglu
+from kvlab.model.weights import check_weights, fingerprint, random_weights
+
+
+@dataclass
+class ForwardOutput:
+    """logits [B, T_new (or logits_to_keep), vocab] and the cache that now holds the new positions."""
+
+    logits: np.ndarray
+    cache: KVCache | None
+
+
+@dataclass
+class _Layer:
+    input_norm: np.ndarray
+    w_qkv: np.ndarray          # [hidden, (H_q + 2 H_kv) d]
+    b_qkv: np.ndarray | None
+    w_o: np.ndarray            # [H_q d, hidden]
+    b_o: np.ndarray | None
+    post_norm: np.ndarray
+    w_gate_up: np.ndarray      # [hidden, 2 intermediate]
+    w_down: np.ndarray         # [intermediate, hidden]
+
+
+def validate_ids(ids: Any, vocab_size: int) -> np.ndarray:
+    """Return ids as an int64 [B, T] array, or raise InputError naming what is wrong with them."""
+    try:
+        array = np.asarray(ids)
+    except ValueError as exc:  # ragged nested lists
+        raise InputError(f"ids must be a rectangular [batch, tokens] array of ints ({exc})") from None
+    if array.ndim != 2:
+        raise InputError(f"ids must be 2-D [batch, new_tokens], got shape {array.shape}")
+    if array.size == 0:
+        raise InputError(f"ids is empty (shape {array.shape}): every forward needs at least one token")
+    if array.dtype.kind not in "iu":
+        raise InputError(f"ids must be integers, got dtype {array.dtype}")
+    low, high = int(array.min()), int(array.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        where = tuple(int(i) for i in np.argwhere(array == bad)[0])
+        raise InputError(f"token id {bad} at {where} is outside the vocabulary [0, {vocab_size})")
+    return array.astype(np.int64, copy=False)
+
+
+class LlamaModel:
+    """A Llama / Mistral / Qwen2 decoder in NumPy. `forward(ids, cache=..., use_cache=...)`."""
+
+    def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray] | None = None,
+                 dtype: object = np.float32, seed: int = 0) -> None:
+        self.config = config
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in (np.float32, np.float64):
+            raise InputError(f"compute dtype must be float32 or float64, got {self.dtype}")
+        self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, self.dtype)
+        self._cos = self._sin = np.zeros((0, config.head_dim), dtype=self.dtype)
+        self.set_weights(weights if weights is not None else random_weights(config, seed, self.dtype))
+
+    # --- weights -----------------------------------------------------------------------------------------
+    def set_weights(self, weights: Mapping[str, np.ndarray], source: str = "weights") -> None:
+        """Check, cast, fingerprint and fuse a state dict with HF names. Caches made before are refused."""
+        check_weights(self.config, weights, source)
+        cast = {name: np.ascontiguousarray(array, dtype=self.dtype) for name, array in weights.items()
+                if not name.endswith("inv_freq")}
+        if self.config.tie_word_embeddings:
+            cast.pop("lm_head.weight", None)
+        self._fingerprint = fingerprint(self.config, self.dtype, cast)
+        self.embed = cast["model.embed_tokens.weight"]
+        self.norm = cast["model.norm.weight"]
+        self.lm_head = (self.embed if self.config.tie_word_embeddings else cast["lm_head.weight"]).T
+        self.layers = []
+        for i in range(self.config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            get = cast.get
+            qkv = [p + f"self_attn.{x}_proj" for x in "qkv"]
+            self.layers.append(_Layer(
+                input_norm=cast[p + "input_layernorm.weight"],
+                w_qkv=np.ascontiguousarray(np.concatenate([cast[n + ".weight"] for n in qkv]).T),
+                b_qkv=np.concatenate([cast[n + ".bias"] for n in qkv]) if get(qkv[0] + ".bias") is not None
+                else None,
+                w_o=np.ascontiguousarray(cast[p + "self_attn.o_proj.weight"].T),
+                b_o=get(p + "self_attn.o_proj.bias"),
+                post_norm=cast[p + "post_attention_layernorm.weight"],
+                w_gate_up=np.ascontiguousarray(np.concatenate(
+                    [cast[p + "mlp.gate_proj.weight"], cast[p + "mlp.up_proj.weight"]]).T),
+                w_down=np.ascontiguousarray(cast[p + "mlp.down_proj.weight"].T),
+            ))
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 of config, dtype and weights, computed once per `set_weights` (never per step)."""
+        return self._fingerprint
+
+    @property
+    def cache_spec(self) -> CacheSpec:
+        c = self.config
+        return CacheSpec(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype, self._fingerprint)
+
+    def new_cache(self, batch_size: int = 1, kv_dtype: object = None, capacity: int = MIN_CAPACITY) -> KVCache:
+        """An empty cache for this model; `capacity` preallocates that many positions."""
+        return KVCache(self.cache_spec, batch_size, kv_dtype, capacity)
+
+    # --- forward -----------------------------------------------------------------------------------------
+    def _rope_tables(self, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos/sin for positions [0, end), grown by doubling so decode steps only slice."""
+        if self._cos.shape[0] < end:
+            size = min(max(end, 2 * self._cos.shape[0], 256), max(end, self.config.max_position_embeddings))
+            angles = np.arange(size).astype(self.dtype)[:, None] * self.inv_freq
+            angles = np.concatenate([angles, angles], axis=-1)
+            self._cos, self._sin = np.cos(angles), np.sin(angles)
+        return self._cos, self._sin
+
+    def forward(self, ids: Any, cache: KVCache | None = None, use_cache: bool = False,
+                logits_to_keep: int = 0) -> ForwardOutput:
+        """Run the new positions `ids` [B, T_new]; with a cache they continue from it and are appended.
+
+        `logits_to_keep=k` returns logits for the last k positions only (0 = all), which spares the LM-head
+        matmul over a long prompt during generation. Everything is validated before the cache is touched.
+        """
+        config = self.config
+        ids = validate_ids(ids, config.vocab_size)
+        batch, num_new = ids.shape
+        if cache is not None:
+            if not isinstance(cache, KVCache):
+                raise InputError(f"cache must be a KVCache, got {type(cache).__name__}")
+            cache.check_compatible(self.cache_spec, batch)
+        start = cache.get_seq_length() if cache is not None else 0
+        end = start + num_new
+        if end > config.max_position_embeddings:
+            raise ContextLengthError(
+                f"positions {start}..{end - 1} exceed the model's context of "
+                f"{config.max_position_embeddings} tokens (max_position_embeddings)")
+        if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+            raise InputError(f"logits_to_keep must be a non-negative int, got {logits_to_keep!r}")
+        if cache is None and use_cache:
+            cache = self.new_cache(batch, capacity=max(end, MIN_CAPACITY))
+
+        positions = np.arange(start, end)
+        cos, sin = self._rope_tables(end)
+        cos, sin = cos[start:end], sin[start:end]
+        heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+
+        x = self.embed[ids]
+        for index, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, config.rms_norm_eps)
+            qkv = h @ layer.w_qkv
+            if layer.b_qkv is not None:
+                qkv += layer.b_qkv
+            q = qkv[..., :q_size].reshape(batch, num_new, heads, head_dim).transpose(0, 2, 1, 3)
+            k = qkv[..., q_size:q_size + kv_size].reshape(batch, num_new, kv_heads, head_dim).transpose(0, 2, 1, 3)
+            v = qkv[..., q_size + kv_size:].reshape(batch, num_new, kv_heads, head_dim).transpose(0, 2, 1, 3)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            if cache is not None:
+                k, v, key_positions = cache.update(index, k, v, positions)
+            else:
+                key_positions = positions
+            attn = grouped_attention(q, k, v, query_positions=positions, key_positions=key_positions,
+                                     causal=config.causal, sliding_window=config.sliding_window)
+            out = attn.transpose(0, 2, 1, 3).reshape(batch, num_new, q_size) @ layer.w_o
+            if layer.b_o is not None:
+                out += layer.b_o
+            x = x + out
+            h = rms_norm(x, layer.post_norm, config.rms_norm_eps)
+            gate_up = h @ layer.w_gate_up
+            inter = gate_up.shape[-1] // 2
+            x = x + swiglu(gate_up[..., :inter], gate_up[..., inter:]) @ layer.w_down
+
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        logits = rms_norm(x, self.norm, config.rms_norm_eps) @ self.lm_head
+        if cache is not None:
+            cache.commit(num_new)
+        return ForwardOutput(logits=logits, cache=cache)
+
+    __call__ = forward
+
+
+class TinyLlama(LlamaModel):
+    """The seeds' model: 2 layers, hidden 32, 4 query heads, 2 KV heads, head_dim 8, float64, fixed seed.
+
+    `TinyLlama(seed=7)` always has the same weights. Config fields can be overridden (e.g. `causal=False`
+    for the verifier's negative control, `num_key_value_heads=1` for MQA).
+    """
+
+    def __init__(self, seed: int = 0, dtype: object = np.float64, **config_changes: Any) -> None:
+        super().__init__(tiny_config(**config_changes), dtype=dtype, seed=seed)

@@ -1,0 +1,110 @@
+"""Weights by their Hugging Face names: expected shapes, seeded random init, and the model fingerprint.
+
+The HF state-dict names (`model.layers.0.self_attn.q_proj.weight`, shape [out, in]) are the single naming
+scheme in kvlab: random init produces them, checkpoints contain them, and the model fuses them on load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Mapping
+
+import numpy as np
+
+from kvlab.config import ModelConfig
+from kvlab.errors import CheckpointError
+
+# Tensors some checkpoints carry that the forward pass does not use.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def expected_shapes(config: ModelConfig, with_biases: Mapping[str, bool] | None = None) -> dict[str, tuple]:
+    """Required tensor names -> shapes for this config (HF layout: Linear weights are [out, in])."""
+    h, d = config.hidden_size, config.head_dim
+    q_out, kv_out = config.num_attention_heads * d, config.num_key_value_heads * d
+    shapes: dict[str, tuple] = {"model.embed_tokens.weight": (config.vocab_size, h),
+                                "model.norm.weight": (h,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q_out, h),
+            p + "self_attn.k_proj.weight": (kv_out, h),
+            p + "self_attn.v_proj.weight": (kv_out, h),
+            p + "self_attn.o_proj.weight": (h, q_out),
+            p + "mlp.gate_proj.weight": (config.intermediate_size, h),
+            p + "mlp.up_proj.weight": (config.intermediate_size, h),
+            p + "mlp.down_proj.weight": (h, config.intermediate_size),
+        })
+        if config.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q_out,), p + "self_attn.k_proj.bias": (kv_out,),
+                           p + "self_attn.v_proj.bias": (kv_out,)})
+    return shapes
+
+
+def optional_shapes(config: ModelConfig) -> dict[str, tuple]:
+    """Tensors that may be present: Llama's attention_bias also biases o_proj; tied files may keep lm_head."""
+    shapes: dict[str, tuple] = {}
+    if config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    if config.attention_bias:
+        for i in range(config.num_hidden_layers):
+            shapes[f"model.layers.{i}.self_attn.o_proj.bias"] = (config.hidden_size,)
+    return shapes
+
+
+def check_weights(config: ModelConfig, weights: Mapping[str, np.ndarray], source: str = "weights") -> None:
+    """Raise CheckpointError naming the first missing, misshapen or unexpected tensor."""
+    required, optional = expected_shapes(config), optional_shapes(config)
+    missing = [name for name in required if name not in weights]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{source}: missing tensor {missing[0]!r}{more}")
+    for name, array in weights.items():
+        want = required.get(name, optional.get(name))
+        if want is None:
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            raise CheckpointError(f"{source}: unexpected tensor {name!r} for this config")
+        if tuple(array.shape) != want:
+            raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(array.shape)} but the config "
+                                  f"implies {want}")
+
+
+def random_weights(config: ModelConfig, seed: int = 0, dtype: object = np.float64) -> dict[str, np.ndarray]:
+    """Fixed random weights from `seed`: N(0, 1/fan_in) matrices, N(1, 0.1) norms, N(0, 1) embeddings.
+
+    Scaled so attention is far from uniform, which lets the verifier catch wrong masks and positions.
+    """
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, shape in expected_shapes(config).items():
+        if name.endswith("norm.weight"):
+            array = 1.0 + 0.1 * rng.standard_normal(shape)
+        elif name == "model.embed_tokens.weight":
+            array = rng.standard_normal(shape)
+        elif name.endswith(".bias"):
+            array = 0.1 * rng.standard_normal(shape)
+        else:
+            array = rng.standard_normal(shape) / np.sqrt(shape[-1])
+        weights[name] = array.astype(dtype)
+    return weights
+
+
+def fingerprint(config: ModelConfig, dtype: np.dtype, weights: Mapping[str, np.ndarray]) -> str:
+    """SHA-256 over the canonical config JSON, the compute dtype, and every tensor's name, shape and bytes.
+
+    Deterministic across processes (no Python hash()), so saved caches can be checked against a model.
+    """
+    digest = hashlib.sha256()
+    digest.update(json.dumps(config.to_dict(), sort_keys=True, default=str).encode())
+    digest.update(np.dtype(dtype).name.encode())
+    for name in sorted(weights):
+        array = np.ascontiguousarray(weights[name])
+        digest.update(f"{name}|{array.dtype.name}|{array.shape}".encode())
+        digest.update(memoryview(array).cast("B"))
+    return digest.hexdigest()
