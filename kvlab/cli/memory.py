@@ -1,0 +1,86 @@
+"""`kvlab memory`: analytic K/V cache bytes per token, for T tokens x B sequences, and what fits a budget."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.table import Table
+
+from kvlab.cache.memory import DTYPE_BYTES, canonical_dtype, kv_bytes_per_token, tokens_in_budget
+from kvlab.cli.fmt import console, human_bytes, parse_bytes
+from kvlab.config import ModelConfig, tiny_config
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("memory", help="size the KV cache of a model",
+                       description="K/V payload = 2 * layers * batch * kv_heads * tokens * head_dim * bytes.")
+    p.add_argument("--config", help="an HF config.json (or model folder); default: the tiny seed model")
+    p.add_argument("--dtype", help="cache dtype: " + ", ".join(DTYPE_BYTES)
+                   + " (default: float64 for the tiny model, else the config's dtype or float16)")
+    p.add_argument("--tokens", "-c", type=int, default=None, help="cached positions per sequence "
+                   "(default: max_position_embeddings)")
+    p.add_argument("--batch", type=int, default=1, help="number of sequences (default 1)")
+    p.add_argument("--budget", help="memory for the cache, e.g. 8GiB or 1000000: how many tokens fit")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=run)
+
+
+def _default_dtype(path: str | None) -> str:
+    if path is None:
+        return "float64"
+    file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    raw = json.loads(file.read_text())
+    return str(raw.get("dtype") or raw.get("torch_dtype") or "float16")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = ModelConfig.from_file(args.config) if args.config else tiny_config()
+    try:
+        dtype = canonical_dtype(args.dtype or _default_dtype(args.config))
+        budget = parse_bytes(args.budget) if args.budget is not None else None
+    except ValueError as exc:
+        raise SystemExit(f"kvlab memory: error: {exc}") from None
+    if args.batch < 1 or (args.tokens is not None and args.tokens < 0):
+        raise SystemExit("kvlab memory: error: --batch must be >= 1 and --tokens >= 0")
+    tokens = config.max_position_embeddings if args.tokens is None else args.tokens
+    per_token = kv_bytes_per_token(config, dtype)
+    total = per_token * tokens * args.batch
+    result = {
+        "model": args.config or "tiny (seed model)",
+        "num_hidden_layers": config.num_hidden_layers, "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim, "dtype": dtype, "bytes_per_scalar": DTYPE_BYTES[dtype],
+        "bytes_per_token": per_token, "tokens": tokens, "batch": args.batch, "total_bytes": total,
+        "bytes_per_token_by_dtype": {d: kv_bytes_per_token(config, d) for d in DTYPE_BYTES},
+    }
+    if budget is not None:
+        result["budget_bytes"] = budget
+        result["tokens_in_budget"] = tokens_in_budget(config, budget, args.batch, dtype)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+
+    con = console()
+    con.print(f"[bold]{result['model']}[/]: {config.num_hidden_layers} layers x {config.num_key_value_heads} "
+              f"KV heads x head_dim {config.head_dim}")
+    con.print(f"K/V bytes per token = 2 x {config.num_hidden_layers} x {config.num_key_value_heads} x "
+              f"{config.head_dim} x {DTYPE_BYTES[dtype]:g} B ({dtype}) = [bold]{per_token:,.0f}[/] bytes")
+    con.print(f"{tokens:,} tokens x batch {args.batch} = [bold]{total:,.0f}[/] bytes ({human_bytes(total)})")
+    if budget is not None:
+        con.print(f"budget {human_bytes(budget)} holds [bold]{result['tokens_in_budget']:,}[/] tokens per "
+                  f"sequence at batch {args.batch}")
+    table = Table(title="by cache dtype (payload only; quantized formats add scales)")
+    table.add_column("dtype")
+    table.add_column("bytes/token", justify="right")
+    table.add_column(f"{tokens:,} tok x {args.batch}", justify="right")
+    if budget is not None:
+        table.add_column("tokens in budget", justify="right")
+    for d in DTYPE_BYTES:
+        row = [d, f"{kv_bytes_per_token(config, d):,.0f}",
+               human_bytes(kv_bytes_per_token(config, d) * tokens * args.batch)]
+        if budget is not None:
+            row.append(f"{tokens_in_budget(config, budget, args.batch, d):,}")
+        table.add_row(*row, style="bold" if d == dtype else None)
+    con.print(table)
+    return 0
