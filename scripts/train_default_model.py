@@ -52,11 +52,11 @@ class TrainArgs:
     hidden: int = 256
     heads: int = 8
     kv_heads: int = 2
-    intermediate: int = 640
+    intermediate: int = 512
     context: int = 256
     rope_theta: float = 10000.0
     batch_size: int = 16
-    steps: int = 2000
+    steps: int = 1600
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup: int = 100
@@ -65,7 +65,7 @@ class TrainArgs:
     seed: int = 1234
     threads: int = 2
     log_every: int = 25
-    eval_every: int = 250
+    eval_every: int = 200
     eval_windows: int = 48  # windows for the periodic (partial) validation loss
     calibrate: int = 0  # >0: run this many steps, report throughput, save nothing
 
