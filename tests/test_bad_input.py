@@ -1,0 +1,116 @@
+"""Bad input gets an error that names the problem and leaves the cache exactly as it was."""
+
+import numpy as np
+import pytest
+
+from kvlab import (CacheMismatchError, ConfigError, ContextLengthError, InputError, ModelConfig, TinyLlama,
+                   generate)
+
+
+@pytest.fixture()
+def model():
+    return TinyLlama(seed=7, max_position_embeddings=32)
+
+
+def snapshot(cache):
+    return (cache.get_seq_length(), cache.positions.copy(), [(k.copy(), v.copy()) for k, v in cache],
+            cache.store.capacity_tokens)
+
+
+def assert_unchanged(cache, snap):
+    length, positions, arrays, capacity = snap
+    assert cache.get_seq_length() == length
+    np.testing.assert_array_equal(cache.positions, positions)
+    for (k, v), (k0, v0) in zip(cache, arrays):
+        np.testing.assert_array_equal(k, k0)
+        np.testing.assert_array_equal(v, v0)
+    assert cache.store.capacity_tokens == capacity
+
+
+BAD_IDS = [
+    (np.array([[1, 260]]), InputError, "outside the vocabulary"),
+    (np.array([[-1, 2]]), InputError, "token id -1"),
+    (np.array([[1.0, 2.0]]), InputError, "must be integers"),
+    (np.array([[True, False]]), InputError, "must be integers"),
+    (np.array([1, 2, 3]), InputError, "2-D"),
+    (np.ones((1, 1, 2), dtype=int), InputError, "2-D"),
+    (np.zeros((1, 0), dtype=int), InputError, "empty"),
+    ([[1, 2], [3]], InputError, "rectangular|integers"),
+    ("hello", InputError, "2-D"),
+]
+
+
+@pytest.mark.parametrize("ids,error,message", BAD_IDS)
+def test_bad_ids_raise_and_leave_the_cache(model, ids, error, message):
+    cache = model.forward(np.array([[1, 2, 3]]), use_cache=True).cache
+    snap = snapshot(cache)
+    with pytest.raises(error, match=message):
+        model.forward(ids, cache=cache)
+    assert_unchanged(cache, snap)
+
+
+def test_positions_past_the_context_are_refused(model):
+    cache = model.forward(np.array([list(range(30))]), use_cache=True).cache
+    snap = snapshot(cache)
+    with pytest.raises(ContextLengthError, match=r"positions 30..32 exceed the model's context of 32"):
+        model.forward(np.array([[1, 2, 3]]), cache=cache)
+    assert_unchanged(cache, snap)
+    with pytest.raises(ContextLengthError):
+        model.forward(np.zeros((1, 33), dtype=int))
+
+
+def test_batch_mismatch_is_refused(model):
+    cache = model.forward(np.array([[1, 2], [3, 4]]), use_cache=True).cache
+    snap = snapshot(cache)
+    with pytest.raises(CacheMismatchError, match="batch size 1 but the cache holds 2"):
+        model.forward(np.array([[5]]), cache=cache)
+    assert_unchanged(cache, snap)
+
+
+def test_foreign_cache_and_non_cache_are_refused(model):
+    other = TinyLlama(seed=8, max_position_embeddings=32)
+    cache = other.forward(np.array([[1, 2]]), use_cache=True).cache
+    snap = snapshot(cache)
+    with pytest.raises(CacheMismatchError, match="different model"):
+        model.forward(np.array([[5]]), cache=cache)
+    assert_unchanged(cache, snap)
+    with pytest.raises(InputError, match="KVCache"):
+        model.forward(np.array([[5]]), cache=[(np.zeros(1), np.zeros(1))])
+
+
+def test_bad_crop_leaves_the_cache(model):
+    cache = model.forward(np.array([[1, 2, 3]]), use_cache=True).cache
+    snap = snapshot(cache)
+    for bad in (4, -4, 1.5, "2"):
+        with pytest.raises(InputError):
+            cache.crop(bad)
+    assert_unchanged(cache, snap)
+
+
+def test_bad_generation_arguments_leave_the_cache(model):
+    cache = model.forward(np.array([[1, 2, 3]]), use_cache=True).cache
+    snap = snapshot(cache)
+    for kwargs in ({"temperature": -1}, {"top_p": 0.0}, {"top_k": -5}, {"max_new_tokens": -1},
+                   {"max_new_tokens": 40}):
+        kwargs = {"max_new_tokens": 3, **kwargs}
+        with pytest.raises(InputError):
+            generate(model, np.array([[4]]), cache=cache, **kwargs)
+    assert_unchanged(cache, snap)
+    with pytest.raises(InputError):
+        model.new_cache(kv_dtype="int3")
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"num_attention_heads": 3}, "multiple of num_key_value_heads"),
+    ({"head_dim": 7}, "even"),
+    ({"num_hidden_layers": 0}, "positive int"),
+    ({"architecture": "GPT2LMHeadModel"}, "not supported"),
+])
+def test_invalid_configs_name_the_field(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig(**changes)
+
+
+def test_unknown_architecture_in_config_json_lists_supported():
+    with pytest.raises(ConfigError, match="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+        ModelConfig.from_hf_dict({"architectures": ["GPTNeoXForCausalLM"], "vocab_size": 10})

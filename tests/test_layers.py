@@ -1,0 +1,104 @@
+"""The building blocks against independent references: RoPE's algebra, attention against a per-head loop."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvlab import apply_rope, grouped_attention
+from kvlab.model.layers import attention_mask, rope_inv_freq
+
+
+def test_rope_preserves_norms_and_is_identity_at_zero():
+    x = np.random.default_rng(0).standard_normal((2, 3, 5, 8))
+    rotated = apply_rope(x, np.arange(5))
+    np.testing.assert_allclose(np.linalg.norm(rotated, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-12)
+    np.testing.assert_allclose(rotated[:, :, 0], x[:, :, 0], atol=0)
+
+
+@given(m=st.integers(0, 500), n=st.integers(0, 500), shift=st.integers(0, 500))
+def test_rope_scores_depend_only_on_relative_position(m, n, shift):
+    rng = np.random.default_rng(1)
+    q, k = rng.standard_normal((1, 1, 1, 8)), rng.standard_normal((1, 1, 1, 8))
+    s1 = np.sum(apply_rope(q, [m]) * apply_rope(k, [n]))
+    s2 = np.sum(apply_rope(q, [m + shift]) * apply_rope(k, [n + shift]))
+    assert abs(s1 - s2) < 1e-9
+
+
+def test_rope_matches_complex_rotation_of_half_pairs():
+    # rotate-half convention: channel i pairs with i + d/2 and turns by pos * theta^(-2i/d)
+    d, pos = 8, 7
+    x = np.random.default_rng(2).standard_normal(d)
+    z = (x[: d // 2] + 1j * x[d // 2:]) * np.exp(1j * pos * rope_inv_freq(d))
+    want = np.concatenate([z.real, z.imag])
+    np.testing.assert_allclose(apply_rope(x[None, None, None], [pos])[0, 0, 0], want, atol=1e-12)
+
+
+def test_rope_per_row_positions_equal_separate_calls():
+    x = np.random.default_rng(3).standard_normal((2, 2, 3, 8))
+    positions = np.array([[0, 1, 2], [5, 6, 7]])
+    both = apply_rope(x, positions)
+    for row in range(2):
+        np.testing.assert_allclose(both[row], apply_rope(x[row:row + 1], positions[row])[0], atol=1e-13)
+
+
+def test_mask_uses_absolute_positions_as_in_the_seed():
+    past_length, new_length = 6, 2
+    query_positions = np.arange(past_length, past_length + new_length)
+    key_positions = np.arange(past_length + new_length)
+    allowed = attention_mask(query_positions, key_positions)
+    assert allowed.shape == (2, 8)
+    assert allowed[0].tolist() == [True] * 7 + [False]
+    assert allowed[1].all()
+    window = attention_mask(query_positions, key_positions, sliding_window=3)
+    assert np.flatnonzero(window[0]).tolist() == [4, 5, 6]
+    assert attention_mask(np.array([6]), np.arange(7)) is None  # decode step: nothing to mask
+
+
+def reference_attention(q, k, v, qpos, kpos, window=None, causal=True):
+    """One query head at a time, K/V head chosen by h // group, explicit loops: slow and obvious."""
+    batch, heads, tq, d = q.shape
+    group = heads // k.shape[1]
+    out = np.zeros_like(q)
+    for b in range(batch):
+        for h in range(heads):
+            kv = h // group
+            for i in range(tq):
+                scores = []
+                for j in range(k.shape[2]):
+                    ok = (not causal or kpos[j] <= qpos[i]) and (window is None or kpos[j] > qpos[i] - window)
+                    scores.append(q[b, h, i] @ k[b, kv, j] / math.sqrt(d) if ok else -np.inf)
+                scores = np.array(scores)
+                w = np.exp(scores - scores.max())
+                out[b, h, i] = (w / w.sum()) @ v[b, kv]
+    return out
+
+
+@given(batch=st.integers(1, 2), kv_heads=st.integers(1, 3), group=st.integers(1, 3),
+       past=st.integers(0, 6), new=st.integers(1, 4), window=st.one_of(st.none(), st.integers(1, 5)),
+       causal=st.booleans())
+def test_grouped_attention_matches_per_head_reference(batch, kv_heads, group, past, new, window, causal):
+    rng = np.random.default_rng(past * 31 + new)
+    heads, d = kv_heads * group, 4
+    q = rng.standard_normal((batch, heads, new, d))
+    k, v = rng.standard_normal((2, batch, kv_heads, past + new, d))
+    qpos, kpos = np.arange(past, past + new), np.arange(past + new)
+    got = grouped_attention(q, k, v, query_positions=qpos, key_positions=kpos, sliding_window=window,
+                            causal=causal)
+    want = reference_attention(q, k, v, qpos, kpos, window, causal)
+    np.testing.assert_allclose(got, want, atol=1e-12)
+
+
+def test_fully_masked_row_gives_zeros_not_nan():
+    q = np.ones((1, 1, 1, 4))
+    k = v = np.ones((1, 1, 2, 4))
+    out = grouped_attention(q, k, v, query_positions=np.array([0]), key_positions=np.array([5, 6]))
+    assert np.all(out == 0)
+
+
+def test_grouping_rejects_incompatible_heads():
+    with pytest.raises(ValueError, match="cannot be grouped"):
+        grouped_attention(np.ones((1, 3, 1, 4)), np.ones((1, 2, 1, 4)), np.ones((1, 2, 1, 4)),
+                          query_positions=[0], key_positions=[0])
