@@ -8,11 +8,12 @@ from kvlab.errors import (CacheMismatchError, CheckpointError, ConfigError, Cont
                           KVLabError)
 from kvlab.model.layers import apply_rope, grouped_attention
 from kvlab.model.llama import ForwardOutput, LlamaModel, TinyLlama
+from kvlab.prefix.session import Session
 from kvlab.tokenizer import ByteTokenizer
 
 __all__ = [
     "ByteTokenizer", "CacheMismatchError", "CheckpointError", "ConfigError", "ContextLengthError",
     "ForwardOutput", "InputError", "KVCache", "KVLabError", "LlamaModel", "MemoryReport", "ModelConfig",
-    "SamplingParams", "TinyLlama", "apply_rope", "generate", "grouped_attention", "kv_bytes_per_token",
-    "stream_generate", "tiny_config",
+    "SamplingParams", "Session", "TinyLlama", "apply_rope", "generate", "grouped_attention",
+    "kv_bytes_per_token", "stream_generate", "tiny_config",
 ]

@@ -7,7 +7,7 @@ It keeps the bookkeeping that is the same for every storage layout: the committe
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -143,6 +143,35 @@ class KVCache:
         if not 0 <= n <= self._length:
             raise InputError(f"cannot crop a cache of {self._length} tokens to {max_length}")
         self._length = n
+
+    @classmethod
+    def from_arrays(cls, spec: CacheSpec, keys: Sequence[np.ndarray], values: Sequence[np.ndarray],
+                    positions: np.ndarray, kv_dtype: object = None) -> "KVCache":
+        """Rebuild a cache from per-layer keys/values [B, H_kv, T, d] and their positions [T].
+
+        Why: a cache restored from a file must be the same object the model and the prefix matcher read,
+        not a side copy (llama.cpp #26676). Everything is checked before anything is allocated; rows are
+        stored in `kv_dtype` (default: the arrays' own dtype).
+        """
+        if len(keys) != spec.num_layers or len(values) != spec.num_layers:
+            raise InputError(f"expected {spec.num_layers} layers of keys and values, got {len(keys)} and "
+                             f"{len(values)}")
+        shape = tuple(np.shape(keys[0])) if spec.num_layers else ()
+        if len(shape) != 4 or shape[1:2] + shape[3:] != (spec.num_kv_heads, spec.head_dim):
+            raise InputError(f"keys must be [B, {spec.num_kv_heads}, T, {spec.head_dim}], got {list(shape)}")
+        if any(np.shape(a) != shape for a in (*keys, *values)):
+            raise InputError("every layer's keys and values must have the same shape")
+        positions = np.asarray(positions)
+        if positions.shape != (shape[2],) or positions.dtype.kind not in "iu":
+            raise InputError(f"positions must be {shape[2]} ints, got {positions.dtype} "
+                             f"{list(positions.shape)}")
+        cache = cls(spec, shape[0], np.asarray(keys[0]).dtype if kv_dtype is None else kv_dtype,
+                    max(shape[2], MIN_CAPACITY))
+        for layer in range(spec.num_layers):
+            cache.store.write(layer, 0, np.asarray(keys[layer]), np.asarray(values[layer]))
+        cache._positions[: shape[2]] = positions
+        cache._length = int(shape[2])
+        return cache
 
     def fork(self) -> "KVCache":
         """An independent copy of the filled part: two continuations of one prefix never see each other."""
