@@ -1,0 +1,50 @@
+"""`kvlab perplexity`: validation perplexity of a model (default: the shipped model on its held-out text)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from kvlab.errors import InputError
+from kvlab.perplexity import perplexity
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("perplexity", help="perplexity on held-out text",
+                       description="Perplexity with non-overlapping (or strided) windows; <bos> opens each.")
+    p.add_argument("--model", help="HF model folder (default: the shipped Shakespeare model)")
+    p.add_argument("--text", help="text file (default: validation.txt in the model folder)")
+    p.add_argument("--context", type=int, default=None, help="window length (default: model context)")
+    p.add_argument("--stride", type=int, default=None, help="scored tokens per window (default: context)")
+    p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
+    p.add_argument("--kv-cache-dtype", default=None, help="float32 (default), float16 or bfloat16")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="feed each window through the cache in chunks of N tokens (default: one forward)")
+    p.add_argument("--dtype", default="float32", help="compute dtype: float32 (default) or float64")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import kvlab
+
+    model, tokenizer = kvlab.load(args.model, dtype=args.dtype)
+    text_path = Path(args.text) if args.text else Path(getattr(tokenizer, "path", "") or args.model or
+                                                       kvlab.hf.DEFAULT_MODEL_DIR) / "validation.txt"
+    if not text_path.is_file():
+        raise InputError(f"{text_path}: no such text file (give --text)")
+    text = text_path.read_text(encoding="utf-8")
+    ids = tokenizer.encode(text, add_bos=False)
+    if args.max_tokens:
+        ids = ids[: args.max_tokens]
+    start = time.perf_counter()
+    result = perplexity(model, ids, tokenizer.bos_token_id, args.context, args.stride,
+                        kv_dtype=args.kv_cache_dtype, chunk=args.chunk)
+    context = args.context or model.config.max_position_embeddings
+    print(f"text: {text_path} ({len(text):,} chars)")
+    print(f"windows: context {context}, stride {args.stride or context}, <bos> prepended to each window")
+    print(f"kv cache dtype: {args.kv_cache_dtype or args.dtype}; compute dtype: {args.dtype}")
+    print(f"tokens evaluated: {result.tokens:,}")
+    print(f"mean NLL: {result.mean_nll:.4f} nats/token ({result.bits_per_token:.4f} bits/token)")
+    print(f"perplexity: {result.perplexity:.3f}   ({time.perf_counter() - start:.1f}s)")
+    return 0
