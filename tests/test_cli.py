@@ -23,6 +23,12 @@ def test_verify_passes_on_the_causal_model():
     assert all(c["max_abs_error"] <= 1e-10 for c in result["checks"])
 
 
+def test_verify_float32_uses_its_own_tolerance():
+    result = json.loads(kvlab("verify", "--json", "--dtype", "float32").stdout)
+    assert result["passed"] and result["checks"][0]["tolerance"] == 1e-4
+    assert max(c["max_abs_error"] for c in result["checks"]) > 1e-10  # float32 rounding is visible
+
+
 def test_verify_bidirectional_fails_with_a_clear_message():
     out = kvlab("verify", "--bidirectional", check=False)
     assert out.returncode == 1

@@ -21,15 +21,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--length", type=int, default=24, help="tokens per checked sequence (default 24)")
     p.add_argument("--bidirectional", action="store_true",
                    help="negative control: a non-causal model, for which the check must fail")
+    p.add_argument("--dtype", choices=["float64", "float32"], default="float64",
+                   help="compute dtype (default float64; float32 is checked to 1e-4)")
     p.add_argument("--json", action="store_true", help="print results as JSON")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    model = TinyLlama(seed=args.seed, causal=not args.bidirectional)
+    model = TinyLlama(seed=args.seed, dtype=args.dtype, causal=not args.bidirectional)
     results = verify_model(model, tolerance=args.tolerance, length=args.length)
     passed = all(r.passed for r in results)
-    label = f"TinyLlama(seed={args.seed}{', causal=False' if args.bidirectional else ''}) float64"
+    label = f"TinyLlama(seed={args.seed}{', causal=False' if args.bidirectional else ''}) {args.dtype}"
     if args.json:
         print(json.dumps({"model": label, "passed": passed, "checks": [
             {"name": r.name, "schedule": r.description, "max_abs_error": r.max_abs_error,
