@@ -194,8 +194,8 @@ def test_positions_must_start_at_zero_for_a_session(model: TinyLlama, tmp_path: 
 def test_from_arrays_rebuilds_a_working_cache(model: TinyLlama) -> None:
     cache = model.new_cache()
     model.forward(np.array([HISTORY[:-1]]), cache=cache)
-    rebuilt = KVCache.from_arrays(cache.spec, [np.array(k) for k, _ in cache], [np.array(v) for _, v in cache],
-                                  cache.positions, cache.dtype)
+    keys, values = [np.array(k) for k, _ in cache], [np.array(v) for _, v in cache]
+    rebuilt = KVCache.from_arrays(cache.spec, keys, values, cache.positions, cache.dtype)
     assert rebuilt.get_seq_length() == len(HISTORY) - 1
     logits = model.forward(np.array([HISTORY[-1:]]), cache=rebuilt).logits[0, -1]
     np.testing.assert_allclose(logits, full_logits(model, HISTORY), rtol=0, atol=TOL)

@@ -82,7 +82,7 @@ def test_trimming_the_front_keeps_nothing(model: TinyLlama) -> None:
 
 
 def test_identical_sequence_recomputes_its_last_token(model: TinyLlama) -> None:
-    """The logits come from a forward, so a fully cached sequence still computes one token (nano-vllm #144)."""
+    """Logits come from a forward, so a fully cached sequence still computes one token (nano-vllm #144)."""
     session = Session(model)
     first = session.feed(TURN2)
     again = session.feed(TURN2)

@@ -1,0 +1,274 @@
+"""`kvlab chat`: a multi-turn chat whose KV cache survives across turns.
+
+Every turn the whole conversation is rendered to token ids (the tokenizer's chat template where it has one,
+else plain continuation) and fed to a Session, which computes only what is not cached yet. Replies go to
+stdout; after each one, a line of stats goes to stderr: rows reused and computed, the cache's tokens and
+bytes, prefill time and decode speed. Works interactively (prompt, readline history) and piped (one message
+or command per input line, no prompt), so it can be scripted and tested.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any, Iterator, TextIO
+
+from kvlab.cli.fmt import human_bytes
+from kvlab.engine.sampling import SamplingParams
+from kvlab.errors import KVLabError
+from kvlab.model.llama import LlamaModel, TinyLlama
+from kvlab.prefix.conversation import Conversation
+from kvlab.prefix.session import Session
+from kvlab.tokenizer import ByteTokenizer
+
+HELP = """commands:
+  /edit TEXT   replace your last message with TEXT and answer again
+  /undo        drop the last exchange (your message and the reply)
+  /save FILE   write the cache and the conversation to FILE
+  /load FILE   restore a conversation saved with /save (the next turn reuses its cache)
+  /reset       start a new conversation
+  /help        this list
+  /quit        leave (also Ctrl-D)"""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="multi-turn chat that keeps the KV cache across turns",
+                       description="Chat with a model; each turn computes only what is not cached yet.",
+                       epilog=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", metavar="PATH", help="model folder (default: kvlab's bundled model)")
+    p.add_argument("--tiny", action="store_true", help="use the seeds' TinyLlama (random weights, bytes)")
+    p.add_argument("--tiny-seed", type=int, default=7, help="TinyLlama weight seed (default 7)")
+    p.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=int, default=64,
+                   help="most tokens per reply (default 64)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=0, help="0 or -1 = off (default)")
+    p.add_argument("--top-p", type=float, default=0.95, help="1.0 = off (default 0.95)")
+    p.add_argument("--min-p", type=float, default=0.0, help="0.0 = off (default)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (reply i uses seed + i; default 0)")
+    p.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", default=None,
+                   help="cache dtype: float64, float32, float16, bfloat16 (default: the model's)")
+    p.add_argument("--system", default=None, help="a system message (plain continuation: leading text)")
+    p.add_argument("--history", metavar="FILE", default=None, help="keep readline history in FILE (TTY)")
+    p.set_defaults(run=run)
+
+
+# --- model --------------------------------------------------------------------------------------------------
+def load_model(args: argparse.Namespace) -> tuple[LlamaModel, Any, str]:
+    """(model, tokenizer, name): --tiny, --model PATH, or the default model (TinyLlama until it exists)."""
+    if args.tiny:
+        return TinyLlama(seed=args.tiny_seed), ByteTokenizer(), f"TinyLlama(seed={args.tiny_seed})"
+    import kvlab
+    load = getattr(kvlab, "load", None)
+    if args.model is not None:
+        if load is None:
+            raise KVLabError("--model needs kvlab.load, which this kvlab does not have yet")
+        return (*_unpack(load(args.model)), str(args.model))
+    if load is not None:
+        try:
+            return (*_unpack(load()), "default model")
+        except (KVLabError, FileNotFoundError) as exc:
+            print(f"kvlab chat: the default model is not available ({exc}); using TinyLlama", file=sys.stderr)
+    else:
+        print("kvlab chat: no default model in this kvlab yet; using TinyLlama (random weights)",
+              file=sys.stderr)
+    return TinyLlama(seed=args.tiny_seed), ByteTokenizer(), f"TinyLlama(seed={args.tiny_seed})"
+
+
+def _unpack(loaded: Any) -> tuple[LlamaModel, Any]:
+    """kvlab.load's result as (model, tokenizer): a pair, a model with .tokenizer, or an object with both."""
+    if isinstance(loaded, tuple) and len(loaded) == 2:
+        return loaded
+    model = getattr(loaded, "model", loaded)
+    tokenizer = getattr(loaded, "tokenizer", None) or getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        raise KVLabError("the loaded model has no tokenizer")
+    return model, tokenizer
+
+
+def stop_ids(model: LlamaModel, tokenizer: Any) -> list[int]:
+    ids = set(model.config.eos_token_ids)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    return sorted(ids)
+
+
+# --- input --------------------------------------------------------------------------------------------------
+def input_lines(stdin: TextIO, history: str | None) -> Iterator[str]:
+    """Lines typed at a prompt with readline editing and history on a TTY; raw lines from a pipe."""
+    if not stdin.isatty():
+        for line in stdin:
+            yield line.rstrip("\r\n")
+        return
+    try:
+        import readline
+    except ImportError:  # pragma: no cover - Windows without pyreadline
+        readline = None
+    if readline is not None and history:
+        try:
+            readline.read_history_file(history)
+        except OSError:
+            pass
+    try:
+        while True:
+            try:
+                yield input("> ")
+            except EOFError:
+                print(file=sys.stderr)
+                return
+    finally:
+        if readline is not None and history:
+            try:
+                readline.write_history_file(history)
+            except OSError:
+                pass
+
+
+# --- the chat -----------------------------------------------------------------------------------------------
+class Chat:
+    """One conversation: its messages, its session, and how replies are produced and reported."""
+
+    def __init__(self, model: LlamaModel, tokenizer: Any, args: argparse.Namespace,
+                 out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> None:
+        self.model, self.tokenizer, self.args, self.out, self.err = model, tokenizer, args, out, err
+        self.session = Session(model, kv_dtype=args.kv_dtype)
+        self.conversation = self._fresh()
+        self.stop = stop_ids(model, tokenizer)
+        self.replies = 0
+
+    def _fresh(self) -> Conversation:
+        conversation = Conversation()
+        if self.args.system:
+            conversation.add("system", self.args.system)
+        return conversation
+
+    def note(self, text: str) -> None:
+        print(text, file=self.err, flush=True)
+
+    def handle(self, line: str) -> bool:
+        """Act on one input line; False means quit."""
+        if not line.strip():
+            return True
+        if not line.startswith("/"):
+            self.conversation.add("user", line)
+            self.reply()
+            return True
+        command, _, rest = line.partition(" ")
+        rest = rest.strip()
+        if command in ("/quit", "/exit"):
+            return False
+        if command == "/help":
+            self.note(HELP)
+        elif command == "/edit":
+            if not rest:
+                self.note("usage: /edit TEXT")
+            elif self.conversation.edit_last_user(rest):
+                self.reply()
+            else:
+                self.note("(nothing to edit yet)")
+        elif command == "/undo":
+            dropped = self.conversation.undo()
+            self.note(f"(dropped: {dropped[0]['content']!r})" if dropped else "(nothing to undo)")
+        elif command == "/reset":
+            self.conversation, self.session = self._fresh(), Session(self.model, kv_dtype=self.args.kv_dtype)
+            self.note("(new conversation)")
+        elif command in ("/save", "/load"):
+            if not rest:
+                self.note(f"usage: {command} FILE")
+            else:
+                self.save(rest) if command == "/save" else self.load(rest)
+        else:
+            self.note(f"unknown command {command}; /help lists them")
+        return True
+
+    def save(self, path: str) -> None:
+        self.session.extra = {"messages": self.conversation.to_json()}
+        try:
+            self.session.save(path)
+        except KVLabError as exc:
+            self.note(f"error: {exc}")
+            return
+        report = self.session.memory_report()
+        self.note(f"(saved {report.num_tokens} tokens, {human_bytes(report.payload_bytes)} of K/V, "
+                  f"to {path})")
+
+    def load(self, path: str) -> None:
+        try:
+            session = Session.load(path, self.model, kv_dtype=self.args.kv_dtype)
+            conversation = Conversation.from_json(session.extra.get("messages", []))
+        except (KVLabError, ValueError) as exc:
+            self.note(f"error: {exc} (the current conversation is unchanged)")
+            return
+        self.session, self.conversation = session, conversation
+        self.note(f"(loaded {session.num_cached_tokens} cached tokens and {len(conversation.messages)} "
+                  f"messages from {path})")
+
+    def _fit(self) -> list[int] | None:
+        """The conversation's ids with room for a reply, dropping the oldest exchanges if the context is full.
+
+        A message that cannot fit even alone is refused and the history kept.
+        """
+        context = self.model.config.max_position_embeddings
+        need = min(self.args.max_tokens, 16)  # leave room for at least a short reply
+        messages = self.conversation.messages
+        alone = Conversation([m for m in messages if m["role"] == "system"] + [messages[-1]])
+        if len(alone.render(self.tokenizer)) + need > context:
+            self.conversation.undo()
+            self.note(f"error: the message does not fit the model's context of {context} tokens")
+            return None
+        ids = self.conversation.render(self.tokenizer)
+        while len(ids) + need > context and self.conversation.drop_oldest_exchange():
+            self.note("(context full: dropped the oldest exchange; the front changed, so the cache restarts)")
+            ids = self.conversation.render(self.tokenizer)
+        return ids
+
+    def reply(self) -> None:
+        ids = self._fit()
+        if ids is None:
+            return
+        a = self.args
+        turn = self.session.feed(ids)
+        room = self.model.config.max_position_embeddings - len(ids)
+        stream = self.session.stream(min(a.max_tokens, room), temperature=a.temperature, top_k=a.top_k,
+                                     top_p=a.top_p, min_p=a.min_p, stop_token_ids=self.stop,
+                                     seed=None if a.seed is None else a.seed + self.replies)
+        self.replies += 1
+        new: list[int] = []
+        shown = ""
+        start = time.perf_counter()
+        try:
+            for token in stream:
+                new.append(token)
+                text = self.tokenizer.decode(new)
+                if not text.endswith("\ufffd"):  # hold back a character still missing bytes
+                    self.out.write(text[len(shown):])
+                    self.out.flush()
+                    shown = text
+        except KeyboardInterrupt:
+            self.note("\n(interrupted)")
+        seconds = time.perf_counter() - start
+        text = self.tokenizer.decode(new)
+        self.out.write(text[len(shown):] + "\n")
+        self.out.flush()
+        self.conversation.add("assistant", text, new)
+        report = self.session.memory_report()
+        speed = f"{len(new) / seconds:.1f} tok/s" if seconds > 0 and new else "-"
+        self.note(f"[reused {turn.reused} · computed {turn.computed} · cache {report.num_tokens} tok "
+                  f"{human_bytes(report.payload_bytes)} · prefill {turn.seconds * 1e3:.1f} ms · "
+                  f"decode {speed}]")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_tokens < 1:
+        raise SystemExit("kvlab chat: error: --max-tokens must be >= 1")
+    SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)  # fail before chatting
+    model, tokenizer, name = load_model(args)
+    chat = Chat(model, tokenizer, args)
+    if sys.stdin.isatty():
+        chat.note(f"kvlab chat · {name} · context {model.config.max_position_embeddings} tokens · "
+                  "/help for commands, Ctrl-D to leave")
+    for line in input_lines(sys.stdin, args.history):
+        if not chat.handle(line):
+            break
+    return 0

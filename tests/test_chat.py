@@ -1,0 +1,136 @@
+"""`kvlab chat`: piped multi-turn chats reuse the cache, commands work, bad commands do not end the chat."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvlab import ByteTokenizer, Session, TinyLlama
+from kvlab.cli import build_parser
+from kvlab.cli.chat import Chat
+from kvlab.prefix.conversation import Conversation
+
+STATS = re.compile(r"\[reused (\d+) · computed (\d+) · cache (\d+) tok .+ · "
+                   r"prefill [\d.]+ ms · decode .+\]")
+
+
+def stats(stderr: str) -> list[tuple[int, int, int]]:
+    return [tuple(map(int, m.groups())) for m in STATS.finditer(stderr)]
+
+
+def run_chat(lines: list[str], *flags: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "kvlab.cli", "chat", "--tiny", "-n", "6", "--temperature", "0", *flags]
+    return subprocess.run(command, input="\n".join(lines) + "\n", capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_piped_chat_reuses_the_cache_across_turns_and_restores_it(tmp_path: Path) -> None:
+    saved = tmp_path / "chat.kvc"
+    result = run_chat(["Hello there", "How are you?", "/undo", "What now?", "/edit What then?",
+                       f"/save {saved}", "/reset", "Fresh start", f"/load {saved}", "And more",
+                       f"/load {tmp_path / 'missing.kvc'}", "/bogus", "/quit", "never read"])
+    assert result.returncode == 0, result.stderr
+    rows = stats(result.stderr)
+    assert len(rows) == 6
+    (r1, c1, n1), (r2, c2, n2), (r3, c3, n3), (r4, c4, n4), (r5, c5, n5), (r6, c6, n6) = rows
+    assert (r1, c1) == (0, 1 + len("Hello there"))           # <bos> + bytes
+    assert (r2, c2) == (n1, len("How are you?"))             # the whole history was reused
+    assert (r3, c3) == (n1, len("What now?"))                # after /undo: cropped back to turn 1
+    assert (r4, c4) == (n1 + len("What "), len("then?"))     # /edit: kept the unchanged "What "
+    assert (r5, c5) == (0, 1 + len("Fresh start"))           # /reset
+    assert (r6, c6) == (n4, len("And more"))                 # /load, then a hit on every restored row
+    assert "(dropped: 'How are you?')" in result.stderr
+    assert f"(saved {n4} tokens" in result.stderr
+    assert f"(loaded {n4} cached tokens and 4 messages" in result.stderr
+    assert "no such session file" in result.stderr and "unknown command /bogus" in result.stderr
+    assert len(result.stdout.splitlines()) >= 6 - 1  # one reply per turn (replies may contain newlines)
+
+    session = Session.load(saved, TinyLlama(seed=7))
+    assert [m["content"] for m in session.extra["messages"]][::2] == ["Hello there", "What then?"]
+
+
+def test_piped_chat_ends_at_eof_and_validates_flags() -> None:
+    result = run_chat(["Hi"])
+    assert result.returncode == 0 and len(stats(result.stderr)) == 1
+    bad = run_chat(["Hi"], "--temperature", "-1")
+    assert bad.returncode == 2 and "temperature" in bad.stderr
+    bad_dtype = run_chat(["Hi"], "--kv-cache-dtype", "int3")
+    assert bad_dtype.returncode == 2 and "dtype" in bad_dtype.stderr
+
+
+def chat_args(**changes) -> argparse.Namespace:
+    args = build_parser().parse_args(["chat", "--tiny", "-n", "5", "--temperature", "0"])
+    return argparse.Namespace(**{**vars(args), **changes})
+
+
+def test_replies_equal_a_fresh_session_on_the_same_history() -> None:
+    """Reuse never changes an answer: replaying turn 2 on a cold session gives the same reply."""
+    model, tokenizer = TinyLlama(seed=7), ByteTokenizer()
+    out, err = io.StringIO(), io.StringIO()
+    chat = Chat(model, tokenizer, chat_args(), out, err)
+    chat.handle("first message")
+    chat.handle("second message")
+    history = chat.conversation.messages[:-1]
+    cold = Session(model)
+    cold.feed(Conversation(list(history)).render(tokenizer))
+    assert cold.generate(5, stop_token_ids=[257]) == chat.conversation.messages[-1]["token_ids"]
+    np.testing.assert_allclose(cold.logits, chat.session.logits, rtol=0, atol=1e-10)
+
+
+def test_a_full_context_drops_the_oldest_exchange() -> None:
+    model, tokenizer = TinyLlama(seed=7, max_position_embeddings=64), ByteTokenizer()
+    err = io.StringIO()
+    chat = Chat(model, tokenizer, chat_args(max_tokens=8), io.StringIO(), err)
+    for i in range(6):
+        chat.handle(f"message number {i}")
+    assert "dropped the oldest exchange" in err.getvalue()
+    assert chat.session.num_cached_tokens <= 64
+    chat.handle("x" * 100)
+    assert "does not fit" in err.getvalue()
+    assert chat.conversation.messages[-1]["role"] == "assistant"  # history kept, long message dropped
+
+
+class TemplateTokenizer(ByteTokenizer):
+    """A byte tokenizer with a ChatML-like template, to check the template path."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=False):
+        text = "".join(f"<{m['role']}>{m['content']}</>" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+def test_conversation_rendering() -> None:
+    plain = Conversation()
+    plain.add("user", "ab")
+    plain.add("assistant", "cd", [99, 257])
+    assert plain.render(ByteTokenizer()) == [256, 97, 98, 99, 257]
+    assert plain.render(TemplateTokenizer()) == list(b"<user>ab</><assistant>cd</><assistant>")
+
+    class NoTemplate(ByteTokenizer):
+        def apply_chat_template(self, messages, add_generation_prompt=False):
+            return None
+
+    assert plain.render(NoTemplate()) == [256, 97, 98, 99, 257]
+
+
+def test_conversation_editing() -> None:
+    c = Conversation()
+    assert c.undo() == [] and not c.edit_last_user("x") and not c.drop_oldest_exchange()
+    c.add("system", "s")
+    for i in range(3):
+        c.add("user", f"u{i}")
+        c.add("assistant", f"a{i}", [i])
+    assert c.edit_last_user("u2'") and [m["content"] for m in c.messages][-2:] == ["a1", "u2'"]
+    assert c.drop_oldest_exchange() and [m["content"] for m in c.messages] == ["s", "u1", "a1", "u2'"]
+    assert [m["content"] for m in c.undo()] == ["u2'"]
+    assert Conversation.from_json(c.to_json()) == c
+    with pytest.raises(ValueError):
+        Conversation.from_json([{"role": "robot", "content": "x"}])
+    with pytest.raises(ValueError):
+        Conversation.from_json([{"role": "user", "content": "x", "token_ids": ["a"]}])
