@@ -17,7 +17,7 @@ from kvlab.cache.contiguous import MIN_CAPACITY
 from kvlab.cache.kv_cache import KVCache
 from kvlab.config import ModelConfig, tiny_config
 from kvlab.errors import ContextLengthError, InputError
-from kvlab.model.layers import grouped_attention, rms_norm, rope_inv_freq, rotate, swiglu
+from kvlab.model.layers import attend, attention_mask, rms_norm, rope_inv_freq, rotate_halves, swiglu
 from kvlab.model.weights import check_weights, fingerprint, random_weights
 
 
@@ -120,12 +120,14 @@ class LlamaModel:
 
     # --- forward -----------------------------------------------------------------------------------------
     def _rope_tables(self, end: int) -> tuple[np.ndarray, np.ndarray]:
-        """cos/sin for positions [0, end), grown by doubling so decode steps only slice."""
+        """cos and sign-folded sin ([-sin, sin]) for positions [0, end), grown by doubling: decode only slices."""
         if self._cos.shape[0] < end:
             size = min(max(end, 2 * self._cos.shape[0], 256), max(end, self.config.max_position_embeddings))
             angles = np.arange(size).astype(self.dtype)[:, None] * self.inv_freq
             angles = np.concatenate([angles, angles], axis=-1)
-            self._cos, self._sin = np.cos(angles), np.sin(angles)
+            sin = np.sin(angles)
+            sin[:, : angles.shape[1] // 2] *= -1  # sign-folded for rotate_halves
+            self._cos, self._sin = np.cos(angles), sin
         return self._cos, self._sin
 
     def forward(self, ids: Any, cache: KVCache | None = None, use_cache: bool = False,
@@ -155,41 +157,53 @@ class LlamaModel:
 
         positions = np.arange(start, end)
         cos, sin = self._rope_tables(end)
-        cos, sin = cos[start:end], sin[start:end]
-        heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        cos, sin = cos[start:end, None], sin[start:end, None]  # [T, 1, d]: broadcast over heads
 
-        x = self.embed[ids]
-        for index, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, config.rms_norm_eps)
-            qkv = h @ layer.w_qkv
-            if layer.b_qkv is not None:
-                qkv += layer.b_qkv
-            q = qkv[..., :q_size].reshape(batch, num_new, heads, head_dim).transpose(0, 2, 1, 3)
-            k = qkv[..., q_size:q_size + kv_size].reshape(batch, num_new, kv_heads, head_dim).transpose(0, 2, 1, 3)
-            v = qkv[..., q_size + kv_size:].reshape(batch, num_new, kv_heads, head_dim).transpose(0, 2, 1, 3)
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-            if cache is not None:
-                k, v, key_positions = cache.update(index, k, v, positions)
-            else:
-                key_positions = positions
-            attn = grouped_attention(q, k, v, query_positions=positions, key_positions=key_positions,
-                                     causal=config.causal, sliding_window=config.sliding_window)
-            out = attn.transpose(0, 2, 1, 3).reshape(batch, num_new, q_size) @ layer.w_o
-            if layer.b_o is not None:
-                out += layer.b_o
-            x = x + out
-            h = rms_norm(x, layer.post_norm, config.rms_norm_eps)
-            gate_up = h @ layer.w_gate_up
-            inter = gate_up.shape[-1] // 2
-            x = x + swiglu(gate_up[..., :inter], gate_up[..., inter:]) @ layer.w_down
-
+        x = self.embed[ids]  # a fresh [B, T, hidden] array: the residual stream, updated in place
+        with np.errstate(over="ignore"):  # swiglu's exp(-gate) may overflow to inf: correct, and silent
+            self._blocks(x, positions, cos, sin, cache)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         logits = rms_norm(x, self.norm, config.rms_norm_eps) @ self.lm_head
         if cache is not None:
             cache.commit(num_new)
         return ForwardOutput(logits=logits, cache=cache)
+
+    def _blocks(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                cache: KVCache | None) -> None:
+        """Run every decoder block on the residual stream x [B, T, hidden], in place."""
+        config = self.config
+        batch, num_new = x.shape[:2]
+        heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        qk_heads = heads + kv_heads
+        eps = config.rms_norm_eps
+        mask = None
+        for index, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, eps)
+            qkv = h @ layer.w_qkv
+            if layer.b_qkv is not None:
+                qkv += layer.b_qkv
+            qkv = qkv.reshape(batch, num_new, qk_heads + kv_heads, head_dim)
+            qk = rotate_halves(qkv[:, :, :qk_heads], cos, sin)  # RoPE on q and k heads together: [B, T, H_q+H_kv, d]
+            q = qk[:, :, :heads].transpose(0, 2, 1, 3)
+            k = qk[:, :, heads:].transpose(0, 2, 1, 3)
+            v = qkv[:, :, qk_heads:].transpose(0, 2, 1, 3)
+            if cache is not None:
+                k, v, key_positions = cache.update(index, k, v, positions)
+            else:
+                key_positions = positions
+            if index == 0:  # positions are the same in every layer: build the mask once per forward
+                mask = attention_mask(positions, key_positions, causal=config.causal,
+                                      sliding_window=config.sliding_window)
+            attn = attend(q, k, v, mask)
+            out = attn.transpose(0, 2, 1, 3).reshape(batch, num_new, heads * head_dim) @ layer.w_o
+            if layer.b_o is not None:
+                out += layer.b_o
+            x += out
+            h = rms_norm(x, layer.post_norm, eps)
+            gate_up = h @ layer.w_gate_up
+            inter = gate_up.shape[-1] // 2
+            x += swiglu(gate_up[..., :inter], gate_up[..., inter:]) @ layer.w_down
 
     __call__ = forward
 
