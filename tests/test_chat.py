@@ -134,3 +134,55 @@ def test_conversation_editing() -> None:
         Conversation.from_json([{"role": "robot", "content": "x"}])
     with pytest.raises(ValueError):
         Conversation.from_json([{"role": "user", "content": "x", "token_ids": ["a"]}])
+
+
+CHATML = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def make_model_folder(folder: Path, chat_template: str | None) -> TinyLlama:
+    """A small HF-style model folder: config.json, model.safetensors, the default model's tokenizer."""
+    import json
+    import shutil
+
+    import safetensors.numpy
+
+    from kvlab.model.weights import random_weights
+
+    model = TinyLlama(seed=3, vocab_size=4096, bos_token_id=0, eos_token_id=1, dtype=np.float32)
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(model.config.to_hf_dict()))
+    weights = random_weights(model.config, 3, np.float32)
+    safetensors.numpy.save_file({k: np.ascontiguousarray(v) for k, v in weights.items()},
+                                folder / "model.safetensors")
+    shipped = Path(__file__).resolve().parents[1] / "kvlab" / "models" / "shakespeare"
+    shutil.copy(shipped / "tokenizer.json", folder / "tokenizer.json")
+    tok_config = json.loads((shipped / "tokenizer_config.json").read_text())
+    if chat_template is not None:
+        tok_config["chat_template"] = chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    return model
+
+
+@pytest.mark.parametrize("template", [None, CHATML])
+def test_piped_chat_with_a_model_folder(tmp_path: Path, template: str | None) -> None:
+    """--model PATH with a BPE tokenizer: plain continuation, or the folder's chat template."""
+    import kvlab
+
+    if not hasattr(kvlab, "load"):
+        pytest.skip("kvlab.load is not in this kvlab yet")
+    make_model_folder(tmp_path / "m", template)
+    command = [sys.executable, "-m", "kvlab.cli", "chat", "--model", str(tmp_path / "m"), "-n", "5",
+               "--temperature", "0"]
+    result = subprocess.run(command, input="To be, or not to be\nthat is the question\n", capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    (r1, c1, n1), (r2, c2, n2) = stats(result.stderr)
+    model, tokenizer = kvlab.load(tmp_path / "m")
+    assert r1 == 0 and r2 > 0 and n2 >= n1
+    if template is None:  # plain continuation appends exactly: every row is reused
+        assert r2 == n1 and c1 == 1 + len(tokenizer.encode("To be, or not to be", add_bos=False))
+    else:  # the template re-renders the history: reuse runs up to the first re-tokenized difference
+        first = tokenizer.encode(tokenizer.apply_chat_template(
+            [{"role": "user", "content": "To be, or not to be"}]), add_bos=False)
+        assert c1 == len(first) and r2 >= len(first)

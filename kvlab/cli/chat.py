@@ -68,7 +68,7 @@ def load_model(args: argparse.Namespace) -> tuple[LlamaModel, Any, str]:
         try:
             return (*_unpack(load()), "default model")
         except (KVLabError, FileNotFoundError) as exc:
-            print(f"kvlab chat: the default model is not available ({exc}); using TinyLlama", file=sys.stderr)
+            print(f"kvlab chat: {exc}; using TinyLlama (random weights)", file=sys.stderr)
     else:
         print("kvlab chat: no default model in this kvlab yet; using TinyLlama (random weights)",
               file=sys.stderr)
@@ -87,11 +87,37 @@ def _unpack(loaded: Any) -> tuple[LlamaModel, Any]:
 
 
 def stop_ids(model: LlamaModel, tokenizer: Any) -> list[int]:
-    ids = set(model.config.eos_token_ids)
+    """Every id that ends a reply: the config's eos ids and the tokenizer's."""
+    ids = set(model.config.eos_token_ids) | {int(i) for i in getattr(tokenizer, "eos_token_ids", ())}
     eos = getattr(tokenizer, "eos_token_id", None)
     if isinstance(eos, int):
         ids.add(eos)
     return sorted(ids)
+
+
+class _PrefixDecoder:
+    """Fallback streaming decoder: decode everything so far, emit what is new once it is complete."""
+
+    def __init__(self, decode: Any) -> None:
+        self._decode, self._ids, self._shown = decode, [], ""
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        text = self._decode(self._ids)
+        if text.endswith("\ufffd") or not text.startswith(self._shown):  # hold an incomplete character
+            return ""
+        new, self._shown = text[len(self._shown):], text
+        return new
+
+    def flush(self) -> str:
+        text = self._decode(self._ids)
+        return text[len(self._shown):] if text.startswith(self._shown) else ""
+
+
+def stream_decoder(tokenizer: Any, context: list[int]) -> Any:
+    """The tokenizer's incremental decoder (push(id) -> text, flush() -> text) or the fallback."""
+    make = getattr(tokenizer, "stream_decoder", None)
+    return make(context[-8:]) if make is not None else _PrefixDecoder(tokenizer.decode)
 
 
 # --- input --------------------------------------------------------------------------------------------------
@@ -235,23 +261,19 @@ class Chat:
                                      seed=None if a.seed is None else a.seed + self.replies)
         self.replies += 1
         new: list[int] = []
-        shown = ""
+        decoder = stream_decoder(self.tokenizer, ids)
         start = time.perf_counter()
         try:
             for token in stream:
                 new.append(token)
-                text = self.tokenizer.decode(new)
-                if not text.endswith("\ufffd"):  # hold back a character still missing bytes
-                    self.out.write(text[len(shown):])
-                    self.out.flush()
-                    shown = text
-        except KeyboardInterrupt:
+                self.out.write(decoder.push(token))
+                self.out.flush()
+        except KeyboardInterrupt:  # stop the reply, keep what was said (the session stays consistent)
             self.note("\n(interrupted)")
         seconds = time.perf_counter() - start
-        text = self.tokenizer.decode(new)
-        self.out.write(text[len(shown):] + "\n")
+        self.out.write(decoder.flush() + "\n")
         self.out.flush()
-        self.conversation.add("assistant", text, new)
+        self.conversation.add("assistant", self.tokenizer.decode(new), new)
         report = self.session.memory_report()
         speed = f"{len(new) / seconds:.1f} tok/s" if seconds > 0 and new else "-"
         self.note(f"[reused {turn.reused} · computed {turn.computed} · cache {report.num_tokens} tok "
