@@ -6,6 +6,7 @@ from kvlab.engine.generate import generate, stream_generate
 from kvlab.engine.sampling import SamplingParams
 from kvlab.errors import (CacheMismatchError, CheckpointError, ConfigError, ContextLengthError, InputError,
                           KVLabError)
+from kvlab.hf.loader import load
 from kvlab.model.layers import apply_rope, grouped_attention
 from kvlab.model.llama import ForwardOutput, LlamaModel, TinyLlama
 from kvlab.prefix.session import Session
@@ -15,5 +16,5 @@ __all__ = [
     "ByteTokenizer", "CacheMismatchError", "CheckpointError", "ConfigError", "ContextLengthError",
     "ForwardOutput", "InputError", "KVCache", "KVLabError", "LlamaModel", "MemoryReport", "ModelConfig",
     "SamplingParams", "Session", "TinyLlama", "apply_rope", "generate", "grouped_attention",
-    "kv_bytes_per_token", "stream_generate", "tiny_config",
+    "kv_bytes_per_token", "load", "stream_generate", "tiny_config",
 ]

@@ -1,8 +1,58 @@
-"""Tokenizers: the byte tokenizer of the tiny model (HF tokenizer.json support lives in kvlab.hf)."""
+"""Tokenizers behind one interface: the byte tokenizer of the tiny model and HF `tokenizer.json` files.
+
+Both offer `encode(text, add_bos=...)`, `decode(ids)`, `bos_token_id`, `eos_token_ids`,
+`apply_chat_template(messages, add_generation_prompt=True)` (text, or None without a template) and
+`stream_decoder()` for printing text as tokens arrive. Reading a model folder (tokenizer_config.json,
+generation_config.json, chat templates) lives in kvlab.hf, which builds an HFTokenizer from the files.
+"""
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
+
+from kvlab.errors import InputError
+
+
+class ChatRenderer(Protocol):
+    """What a tokenizer needs from a chat template (kvlab.hf.chat_template.ChatTemplate provides it)."""
+
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+               **variables: Any) -> str: ...
+
+
+class IncrementalDecoder:
+    """Text for a stream of token ids, emitted once it is final.
+
+    Byte-level BPE splits a multi-byte character over several tokens, and SentencePiece decoders change a
+    token's text depending on what precedes it, so decoding one token at a time prints garbage. This
+    decodes a short window twice (up to the last emitted token, and including the new ones) and emits the
+    difference, holding it back while it ends in an incomplete character (U+FFFD) — the method of
+    transformers' TextStreamer and vLLM's detokenizer, for any tokenizer with `decode(ids)`.
+    `context` ids (the prompt's tail) are decoded but never emitted, so the first word gets its space.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], context: Sequence[int] = ()) -> None:
+        self._decode = decode
+        self._ids = [int(i) for i in context][-8:]
+        self._prefix = 0               # start of the window that is decoded
+        self._read = len(self._ids)    # ids before this have been emitted
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text that became final (possibly "")."""
+        self._ids.append(int(token_id))
+        before = self._decode(self._ids[self._prefix:self._read])
+        after = self._decode(self._ids[self._prefix:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return after[len(before):]
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character decodes as U+FFFD)."""
+        before = self._decode(self._ids[self._prefix:self._read])
+        after = self._decode(self._ids[self._prefix:])
+        self._prefix = self._read = len(self._ids)
+        return after[len(before):] if len(after) > len(before) else ""
 
 
 class ByteTokenizer:
@@ -12,6 +62,7 @@ class ByteTokenizer:
     eos_token_id = 257
     pad_token_id = 258
     vocab_size = 260
+    eos_token_ids = (257,)
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         ids = list(text.encode("utf-8"))
@@ -21,6 +72,14 @@ class ByteTokenizer:
         """Bytes back to text; special tokens are dropped and broken UTF-8 is replaced, never raised."""
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
+                            add_generation_prompt: bool = True) -> str | None:
+        """The byte model has no chat template: None (callers fall back to plain continuation)."""
+        return None
+
+    def stream_decoder(self, context: Sequence[int] = ()) -> IncrementalDecoder:
+        return IncrementalDecoder(self.decode, context)
+
     def token_text(self, token_id: int) -> str:
         """A printable label for one token, for tables: 'a', '\\n', '<0xE2>', '<eos>'."""
         special = {256: "<bos>", 257: "<eos>", 258: "<pad>"}
@@ -29,3 +88,77 @@ class ByteTokenizer:
         if 32 <= token_id < 127:
             return chr(token_id)
         return repr(chr(token_id))[1:-1] if token_id < 128 else f"<0x{token_id:02X}>"
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers.Tokenizer` with the model folder's special-token settings.
+
+    `add_bos_token` is tokenizer_config.json's flag: True (Llama style) makes `encode(text)` start with
+    <bos>; False means never; None (the key is absent) leaves special tokens to tokenizer.json's
+    post-processor, as transformers does (Llama 3 adds <|begin_of_text|> there).
+    """
+
+    def __init__(self, tokenizer: Any, *, bos_token_id: int | None = None,
+                 eos_token_ids: Sequence[int] = (), add_bos_token: bool | None = None,
+                 chat_template: ChatRenderer | None = None, pad_token_id: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
+        self.add_bos_token = add_bos_token
+        self.chat_template = chat_template
+        self.pad_token_id = pad_token_id
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool | None = None, *,
+               add_special_tokens: bool | None = None) -> list[int]:
+        """Token ids of `text`.
+
+        add_bos=None: the folder's convention (see the class docstring); True: exactly one <bos> first;
+        False: no special tokens at all (for text rendered by a chat template, which brings its own).
+        `add_special_tokens=False` is accepted as the transformers spelling of add_bos=False.
+        """
+        if not isinstance(text, str):
+            raise InputError(f"text must be a str, got {type(text).__name__}")
+        if add_special_tokens is not None and add_bos is None:
+            add_bos = None if add_special_tokens else False
+        if add_bos is None and self.add_bos_token is None:
+            return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        want_bos = self.add_bos_token if add_bos is None else add_bos
+        if want_bos:
+            if self.bos_token_id is None:
+                raise InputError("this tokenizer has no bos token to add")
+            if not ids or ids[0] != self.bos_token_id:
+                ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
+                            add_generation_prompt: bool = True, **variables: Any) -> str | None:
+        """The rendered prompt text, or None when the model ships no chat template."""
+        if self.chat_template is None:
+            return None
+        return self.chat_template.render(messages, add_generation_prompt, **variables)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Render with the chat template and encode without adding special tokens (the template has them)."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        if text is None:
+            raise InputError("this model has no chat template")
+        return self.encode(text, add_bos=False)
+
+    def stream_decoder(self, context: Sequence[int] = ()) -> IncrementalDecoder:
+        return IncrementalDecoder(self.decode, context)
+
+    def token_text(self, token_id: int) -> str:
+        """The token's vocabulary string (e.g. 'Ġthe'), for tables."""
+        return self.tokenizer.id_to_token(int(token_id)) or f"<{token_id}>"

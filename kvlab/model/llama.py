@@ -65,14 +65,14 @@ class LlamaModel:
     """A Llama / Mistral / Qwen2 decoder in NumPy. `forward(ids, cache=..., use_cache=...)`."""
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray] | None = None,
-                 dtype: object = np.float32, seed: int = 0) -> None:
+                 dtype: object = np.float32, seed: int = 0, source: str = "weights") -> None:
         self.config = config
         self.dtype = np.dtype(dtype)
         if self.dtype not in (np.float32, np.float64):
             raise InputError(f"compute dtype must be float32 or float64, got {self.dtype}")
         self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, self.dtype)
         self._cos = self._sin = np.zeros((0, config.head_dim), dtype=self.dtype)
-        self.set_weights(weights if weights is not None else random_weights(config, seed, self.dtype))
+        self.set_weights(weights if weights is not None else random_weights(config, seed, self.dtype), source)
 
     # --- weights -----------------------------------------------------------------------------------------
     def set_weights(self, weights: Mapping[str, np.ndarray], source: str = "weights") -> None:

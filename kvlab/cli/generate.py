@@ -1,0 +1,201 @@
+"""`kvlab generate [--model PATH] "prompt"`: stream a completion to stdout, one stats line to stderr.
+
+Flags follow vLLM and llama.cpp (`-n/--max-tokens`, `--temperature`, `--top-p`, `--top-k`, `--min-p`,
+`--seed`, `--kv-cache-dtype`). The pieces are separate so another path can reuse them: `TextStream` prints
+tokens as they arrive and times them (pass its `on_token` to any generator, e.g. a prompt-cache session),
+`generate_tokens` runs the prompt through a KV cache that may already hold a prefix of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence, TextIO
+
+from kvlab.cache.kv_cache import KVCache
+from kvlab.cli.fmt import human_bytes
+from kvlab.engine.generate import stream_generate
+from kvlab.errors import ContextLengthError, InputError
+from kvlab.model.llama import LlamaModel
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="complete a prompt with a model, streaming the text",
+                       description="Complete PROMPT with a Hugging Face Llama/Mistral/Qwen2 folder (default: "
+                                   "kvlab's bundled model). Text goes to stdout as it is produced; one line "
+                                   "of stats goes to stderr.")
+    p.add_argument("prompt", nargs="?", default=None, help="the prompt text (default: read stdin)")
+    p.add_argument("-m", "--model", metavar="PATH", default=None,
+                   help="model folder with config.json, *.safetensors, tokenizer.json (default: bundled)")
+    p.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=int, default=256,
+                   help="most new tokens; -1 = until eos or the end of the context (default 256)")
+    p.add_argument("--temperature", "--temp", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus mass, 1.0 = off (default 0.95)")
+    p.add_argument("--top-k", type=int, default=0, help="0 or -1 = off (default)")
+    p.add_argument("--min-p", type=float, default=0.0, help="0.0 = off (default)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0: runs are reproducible)")
+    p.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", default=None,
+                   choices=["float32", "float16", "bfloat16", "float64", "fp32", "fp16", "bf16", "fp64"],
+                   help="KV cache storage dtype (default: the compute dtype)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64"],
+                   help="compute dtype (default float32)")
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user message through the model's chat template")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    p.set_defaults(run=run)
+
+
+# --- pieces -------------------------------------------------------------------------------------------------
+@dataclass
+class GenerationStats:
+    """What one run did, for the stats line (and for tests)."""
+
+    prompt_tokens: int
+    computed_prompt_tokens: int
+    prefill_seconds: float
+    new_tokens: int
+    decode_seconds: float
+    cache_tokens: int
+    cache_bytes: int
+    cache_dtype: str
+    stop_reason: str
+
+    def line(self) -> str:
+        reused = self.prompt_tokens - self.computed_prompt_tokens
+        prefill_rate = self.computed_prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+        steps = max(self.new_tokens - 1, 0)  # the first token comes from the prefill's logits
+        decode = (f"decode {self.new_tokens} tokens, {1e3 * self.decode_seconds / steps:.1f} ms/token "
+                  f"({steps / self.decode_seconds:.1f} tok/s)" if steps and self.decode_seconds > 0
+                  else f"decode {self.new_tokens} tokens")
+        return (f"prompt {self.prompt_tokens} tokens" + (f" ({reused} cached)" if reused else "")
+                + f" | prefill {1e3 * self.prefill_seconds:.1f} ms ({prefill_rate:.0f} tok/s) | {decode} | "
+                f"cache {self.cache_tokens} tokens, {human_bytes(self.cache_bytes)} {self.cache_dtype} | "
+                f"stop: {self.stop_reason}")
+
+
+class TextStream:
+    """Prints the text of tokens as they arrive (whole characters only) and times prefill and decode.
+
+    Call `start()` just before the prompt is computed; pass `on_token` to whatever yields tokens.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], out: TextIO = sys.stdout,
+                 stop_ids: Sequence[int] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.decoder = tokenizer.stream_decoder(prompt_ids)
+        self.out = out
+        self.stop_ids = frozenset(stop_ids)
+        self.tokens: list[int] = []
+        self.started = self.first_token_at = self.last_token_at = 0.0
+        self._ends_with_newline = True
+
+    def start(self) -> None:
+        self.started = time.perf_counter()
+
+    def on_token(self, token: int) -> None:
+        now = time.perf_counter()
+        if not self.tokens:
+            self.first_token_at = now
+        self.last_token_at = now
+        self.tokens.append(int(token))
+        if int(token) not in self.stop_ids:
+            self._write(self.decoder.push(int(token)))
+
+    def finish(self) -> None:
+        """Print what the decoder held back and end the output with a newline."""
+        self._write(self.decoder.flush())
+        if not self._ends_with_newline:
+            self._write("\n")
+
+    def _write(self, text: str) -> None:
+        if text:
+            self.out.write(text)
+            self.out.flush()
+            self._ends_with_newline = text.endswith("\n")
+
+    def stats(self, prompt_tokens: int, computed_prompt_tokens: int, cache: KVCache,
+              stop_reason: str) -> GenerationStats:
+        report = cache.memory_report()
+        return GenerationStats(
+            prompt_tokens=prompt_tokens, computed_prompt_tokens=computed_prompt_tokens,
+            prefill_seconds=(self.first_token_at - self.started) if self.tokens else 0.0,
+            new_tokens=len(self.tokens), decode_seconds=self.last_token_at - self.first_token_at,
+            cache_tokens=cache.get_seq_length(), cache_bytes=report.payload_bytes, cache_dtype=report.dtype,
+            stop_reason=stop_reason)
+
+
+def generate_tokens(model: LlamaModel, prompt_ids: Sequence[int], on_token: Callable[[int], None], *,
+                    cache: KVCache, max_tokens: int | None, stop_token_ids: Sequence[int] = (),
+                    **sampling: Any) -> tuple[int, str]:
+    """Generate after `prompt_ids`, calling `on_token` per new token; returns (prompt rows computed, why it
+    stopped).
+
+    `cache` may already hold a prefix of the prompt (e.g. restored from a file): only the rest is computed,
+    but always at least the last prompt token, whose logits choose the first new token. `max_tokens=None`
+    runs to the end of the context. `sampling`: temperature, top_k, top_p, min_p, seed.
+    """
+    prompt = [int(t) for t in prompt_ids]
+    context = model.config.max_position_embeddings
+    if not prompt:
+        raise InputError("the prompt is empty: there is nothing to continue")
+    if len(prompt) > context:
+        raise ContextLengthError(f"the prompt is {len(prompt)} tokens but the model's context is {context} "
+                                 "tokens (max_position_embeddings in config.json)")
+    cached = min(cache.get_seq_length(), len(prompt) - 1)
+    if cached < cache.get_seq_length():
+        cache.crop(cached)
+    room = context - len(prompt) + 1  # the last new token needs no position of its own
+    limit = room if max_tokens is None or max_tokens < 0 else min(max_tokens, room)
+    stop = set(int(t) for t in stop_token_ids)
+    count, last = 0, None
+    for step in stream_generate(model, [prompt[cached:]], limit, cache=cache, stop_token_ids=stop,
+                                **sampling):
+        last = int(step[0])
+        count += 1
+        on_token(last)
+    if last is not None and last in stop:
+        return len(prompt) - cached, "eos"
+    return len(prompt) - cached, ("context full" if limit == room and count == limit else "max tokens")
+
+
+def encode_prompt(tokenizer: Any, text: str, chat: bool) -> list[int]:
+    if not chat:
+        return tokenizer.encode(text)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    if rendered is None:
+        raise InputError("--chat: this model has no chat template (chat_template.jinja or tokenizer_config.json)")
+    return tokenizer.encode(rendered, add_bos=False)
+
+
+def stop_token_ids(model: LlamaModel, tokenizer: Any) -> list[int]:
+    ids = set(getattr(tokenizer, "eos_token_ids", ()) or ()) | set(model.config.eos_token_ids)
+    return sorted(ids)
+
+
+# --- the command --------------------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> int:
+    from kvlab.hf.loader import load
+
+    text = args.prompt if args.prompt is not None else sys.stdin.read()
+    if args.max_tokens == 0 or args.max_tokens < -1:
+        raise InputError(f"--max-tokens must be >= 1, or -1 for no limit (got {args.max_tokens})")
+    model, tokenizer = load(args.model, dtype=args.dtype)
+    prompt = encode_prompt(tokenizer, text, args.chat)
+    stop = [] if args.ignore_eos else stop_token_ids(model, tokenizer)
+    max_tokens = None if args.max_tokens == -1 else args.max_tokens
+    context = model.config.max_position_embeddings
+    capacity = min(context, len(prompt) + (max_tokens or context))
+    cache = model.new_cache(1, kv_dtype=args.kv_dtype, capacity=capacity)
+    stream = TextStream(tokenizer, prompt, sys.stdout, stop)
+    stream.start()
+    try:
+        computed, reason = generate_tokens(
+            model, prompt, stream.on_token, cache=cache, max_tokens=max_tokens, stop_token_ids=stop,
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)
+    except KeyboardInterrupt:
+        computed, reason = len(prompt), "interrupted"
+    stream.finish()
+    print(stream.stats(len(prompt), computed, cache, reason).line(), file=sys.stderr, flush=True)
+    return 130 if reason == "interrupted" else 0
