@@ -186,3 +186,46 @@ def test_piped_chat_with_a_model_folder(tmp_path: Path, template: str | None) ->
         first = tokenizer.encode(tokenizer.apply_chat_template(
             [{"role": "user", "content": "To be, or not to be"}]), add_bos=False)
         assert c1 == len(first) and r2 >= len(first)
+
+
+def test_interactive_chat_on_a_terminal(tmp_path: Path) -> None:
+    """On a TTY: a banner, a '> ' prompt with readline, replies and stats; Ctrl-D leaves cleanly."""
+    import os
+    import pty
+    import select
+
+    main, child = pty.openpty()
+    history = tmp_path / "history"
+    command = [sys.executable, "-m", "kvlab.cli", "chat", "--tiny", "-n", "4", "--temperature", "0",
+               "--history", str(history)]
+    process = subprocess.Popen(command, stdin=child, stdout=child, stderr=child, close_fds=True)
+    os.close(child)
+    seen = b""
+
+    def read_until(marker: bytes, timeout: float = 60.0) -> None:
+        """Read until `marker` appears in output not read before this call."""
+        nonlocal seen
+        start = len(seen)
+        while marker not in seen[start:]:
+            ready, _, _ = select.select([main], [], [], timeout)
+            assert ready, f"timed out waiting for {marker!r}; got {seen[-500:]!r}"
+            try:
+                seen += os.read(main, 4096)
+            except OSError:  # the child closed the terminal
+                break
+
+    try:
+        read_until(b"> ")
+        os.write(main, b"hello\r")
+        read_until(b"decode")
+        if not seen.rstrip().endswith(b">"):
+            read_until(b"> ")
+        os.write(main, b"\x04")  # Ctrl-D at the next prompt
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        os.close(main)
+    text = seen.decode("utf-8", "replace")
+    assert "kvlab chat" in text and "/help" in text and "reused 0 · computed 6" in text
+    assert "hello" in history.read_text()

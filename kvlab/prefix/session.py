@@ -184,9 +184,8 @@ class Session:
         if saved.cache.positions.tolist() != list(range(len(saved.tokens))):
             raise CheckpointError(f"{path}: positions are not 0..{len(saved.tokens) - 1}; a session cache "
                                   "always starts at position 0")
-        session = cls.__new__(cls)
-        session.model, session.cache, session._tokens = model, saved.cache, list(saved.tokens)
-        session._logits, session.extra = None, dict(saved.extra)
+        session = cls(model, kv_dtype=saved.cache.dtype, capacity=1)
+        session.cache, session._tokens, session.extra = saved.cache, list(saved.tokens), dict(saved.extra)
         return session
 
     def __repr__(self) -> str:
