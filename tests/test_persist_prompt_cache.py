@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+import kvlab
 from kvlab import CacheMismatchError, InputError, Session, TinyLlama, generate
 from kvlab.prefix.prompt_cache import generate_with_prompt_cache, open_prompt_cache
 
@@ -57,3 +58,38 @@ def test_a_bad_prompt_fails_before_any_work(model: TinyLlama, tmp_path: Path) ->
         generate_with_prompt_cache(model, [1, 999], path, 3)
     assert not path.exists()
     assert open_prompt_cache(path, model).tokens == []
+
+
+def test_stop_reasons_and_the_context_cap(tmp_path: Path) -> None:
+    model = TinyLlama(seed=7, max_position_embeddings=16)
+    run = generate_with_prompt_cache(model, PROMPT, tmp_path / "a.kvc", 100)  # capped at the context
+    assert (len(run.new_tokens), run.stop_reason) == (16 - len(PROMPT), "context full")
+    assert run.session.num_cached_tokens == 16
+    run = generate_with_prompt_cache(model, PROMPT, tmp_path / "b.kvc", 2)
+    assert run.stop_reason == "max tokens"
+    free = run.new_tokens
+    run = generate_with_prompt_cache(model, PROMPT, tmp_path / "c.kvc", 3, stop_token_ids=iter([free[0]]))
+    assert (run.new_tokens, run.stop_reason) == (free[:1], "eos")
+    with pytest.raises(InputError):
+        generate_with_prompt_cache(model, PROMPT, tmp_path / "d.kvc", -1)
+
+
+def test_kvlab_generate_prompt_cache_flag(tmp_path: Path) -> None:
+    """`kvlab generate --prompt-cache FILE` twice: same text, and the second run reuses the saved prompt."""
+    import re
+    import subprocess
+    import sys
+
+    from test_chat import make_model_folder
+
+    make_model_folder(tmp_path / "m", None)
+    command = [sys.executable, "-m", "kvlab.cli", "generate", "--model", str(tmp_path / "m"), "-n", "6",
+               "--temperature", "0", "--prompt-cache", str(tmp_path / "p.kvc"), "To be, or not to be"]
+    first = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    second = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    assert first.stdout == second.stdout and first.stdout.strip()
+    n = int(re.search(r"prompt (\d+) tokens", first.stderr).group(1))
+    assert f"prompt {n} tokens |" in first.stderr and f"prompt {n} tokens ({n - 1} cached)" in second.stderr
+    model, _ = kvlab.load(tmp_path / "m")
+    assert len(Session.load(tmp_path / "p.kvc", model).tokens) == n + 6

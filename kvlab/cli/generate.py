@@ -19,6 +19,7 @@ from kvlab.cli.fmt import human_bytes
 from kvlab.engine.generate import stream_generate
 from kvlab.errors import ContextLengthError, InputError
 from kvlab.model.llama import LlamaModel
+from kvlab.prefix.prompt_cache import generate_with_prompt_cache
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -44,6 +45,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true",
                    help="send the prompt as a user message through the model's chat template")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    p.add_argument("--prompt-cache", metavar="FILE", default=None,
+                   help="reuse the KV cache saved in FILE for the prompt's common prefix, then save the "
+                        "prompt and the new tokens back to it (llama.cpp's --prompt-cache)")
     p.set_defaults(run=run)
 
 
@@ -190,10 +194,18 @@ def run(args: argparse.Namespace) -> int:
     cache = model.new_cache(1, kv_dtype=args.kv_dtype, capacity=capacity)
     stream = TextStream(tokenizer, prompt, sys.stdout, stop)
     stream.start()
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                    seed=args.seed)
     try:
-        computed, reason = generate_tokens(
-            model, prompt, stream.on_token, cache=cache, max_tokens=max_tokens, stop_token_ids=stop,
-            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)
+        if args.prompt_cache:  # a Session restored from FILE: reuses the common prefix, saved back after
+            done = generate_with_prompt_cache(model, prompt, args.prompt_cache, max_tokens,
+                                              kv_dtype=args.kv_dtype, on_token=stream.on_token,
+                                              stop_token_ids=stop, **sampling)
+            cache, computed, reason = done.session.cache, done.turn.computed, done.stop_reason
+        else:
+            computed, reason = generate_tokens(
+                model, prompt, stream.on_token, cache=cache, max_tokens=max_tokens, stop_token_ids=stop,
+                **sampling)
     except KeyboardInterrupt:
         computed, reason = len(prompt), "interrupted"
     stream.finish()

@@ -10,19 +10,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
+from kvlab.errors import InputError
 from kvlab.model.llama import LlamaModel
 from kvlab.prefix.session import Session, Turn
 
 
 @dataclass(frozen=True)
 class PromptCacheRun:
-    """One run: the new tokens, the prompt's turn (reused / computed) and how many rows were restored."""
+    """One run: the new tokens, the prompt's turn (reused / computed), how many rows were restored, why
+    generation stopped ("eos", "max tokens" or "context full") and the session (now saved in the file)."""
 
     new_tokens: list[int]
     turn: Turn
     restored: int
+    stop_reason: str
+    session: Session
 
 
 def open_prompt_cache(path: str | Path, model: LlamaModel, kv_dtype: object = None) -> Session:
@@ -35,21 +39,34 @@ def open_prompt_cache(path: str | Path, model: LlamaModel, kv_dtype: object = No
 def generate_with_prompt_cache(model: LlamaModel, prompt_ids: Any, path: str | Path,
                                max_new_tokens: int | None = None, *, kv_dtype: object = None,
                                on_token: Callable[[int], None] | None = None,
-                               **sampling: Any) -> PromptCacheRun:
+                               stop_token_ids: Iterable[int] = (), **sampling: Any) -> PromptCacheRun:
     """Generate from `prompt_ids` reusing the cache in `path`, then write the updated cache back.
 
-    `sampling` takes `Session.stream`'s arguments (temperature, top_k, top_p, min_p, seed, stop_token_ids);
-    `on_token` is called with each new token as it is chosen (for streaming output). If generation is
-    interrupted, the file is not rewritten.
+    `max_new_tokens` is capped at the room left in the context (None: run to the end of it). `sampling`
+    takes `Session.stream`'s other arguments (temperature, top_k, top_p, min_p, seed); `on_token` is
+    called with each new token as it is chosen (for streaming output). If generation is interrupted, the
+    file is not rewritten.
     """
+    if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 0):
+        raise InputError(f"max_new_tokens must be a non-negative int or None, got {max_new_tokens!r}")
     session = open_prompt_cache(path, model, kv_dtype)
     restored = session.num_cached_tokens
-    session.check_tokens(prompt_ids)  # a bad prompt fails before any work
-    turn = session.feed(prompt_ids)
+    tokens = session.check_tokens(prompt_ids)  # a bad prompt fails before any work
+    room = session.context_length - len(tokens)
+    limit = room if max_new_tokens is None else min(max_new_tokens, room)
+    turn = session.feed(tokens)
     new_tokens = []
-    for token in session.stream(max_new_tokens, **sampling):
+    stop = [int(t) for t in stop_token_ids]
+    for token in session.stream(limit, stop_token_ids=stop, **sampling):
         new_tokens.append(token)
         if on_token is not None:
             on_token(token)
     session.save(path)
-    return PromptCacheRun(new_tokens=new_tokens, turn=turn, restored=restored)
+    if new_tokens and new_tokens[-1] in stop:
+        reason = "eos"
+    elif session.num_cached_tokens == session.context_length:
+        reason = "context full"
+    else:
+        reason = "max tokens"
+    return PromptCacheRun(new_tokens=new_tokens, turn=turn, restored=restored, stop_reason=reason,
+                          session=session)
