@@ -109,16 +109,15 @@ class Session:
         self.cache.check_compatible(self.model.cache_spec, 1)  # e.g. set_weights since the last turn
         reused = min(common_prefix_length(self._tokens, tokens), len(tokens) - 1)
         start = time.perf_counter()
-        self._extend(reused, tokens)
+        self._extend(reused, tokens[reused:])
         seconds = time.perf_counter() - start
         return Turn(tokens=len(tokens), reused=reused, computed=len(tokens) - reused,
                     payload_bytes=self.cache.memory_report().payload_bytes, logits=self._logits.copy(),
                     seconds=seconds)
 
-    def _extend(self, keep: int, tokens: list[int]) -> None:
-        """Keep the first `keep` rows and compute tokens[keep:]. If the forward is interrupted (Ctrl-C, out
-        of memory) the session is left holding the first `keep` tokens: smaller, but consistent."""
-        new = tokens[keep:]
+    def _extend(self, keep: int, new: list[int]) -> None:
+        """Keep the first `keep` rows and compute `new` after them. If the forward is interrupted (Ctrl-C,
+        out of memory) the session is left holding the first `keep` tokens: smaller, but consistent."""
         self.cache.crop(keep)
         del self._tokens[keep:]
         self._logits = None
@@ -134,7 +133,8 @@ class Session:
 
         Each token is fed back before it is yielded, so at every moment the session (tokens, cache,
         logits) includes everything yielded so far, and the next `feed` of history + reply + new message
-        reuses all of it. A stop token ends the stream and is kept, as a chat template would render it.
+        reuses all of it (the last token's forward, which `stream_generate` skips, is paid now rather than
+        at the next turn). A stop token ends the stream and is kept, as a chat template would render it.
         `max_new_tokens=None` runs to the end of the context. Arguments are checked here, not at the first
         `next()`.
         """
@@ -157,9 +157,9 @@ class Session:
     def _steps(self, max_new_tokens: int, sampler: Sampler, stop: frozenset[int]) -> Iterator[int]:
         for _ in range(max_new_tokens):
             if self._logits is None:  # restored or interrupted: the last token's logits need a forward
-                self._extend(len(self._tokens) - 1, list(self._tokens))
+                self._extend(len(self._tokens) - 1, self._tokens[-1:])
             token = int(sampler(self._logits[None])[0])
-            self._extend(len(self._tokens), self._tokens + [token])
+            self._extend(len(self._tokens), [token])
             yield token
             if token in stop:
                 return
