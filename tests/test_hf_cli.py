@@ -1,0 +1,151 @@
+"""`kvlab generate` as a user runs it: a real subprocess on a real model folder."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvlab
+from kvlab.cli.generate import TextStream, generate_tokens
+from test_hf_loader import CONFIG, TEXT, write_folder
+
+
+def kvlab_generate(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "kvlab.cli", "generate", *args], capture_output=True,
+                          text=True, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"kvlab generate {args} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cli") / "model"
+    write_folder(path)
+    return path
+
+
+def test_greedy_text_on_stdout_and_one_stats_line_on_stderr(folder):
+    out = kvlab_generate("--model", str(folder), "Now is the winter", "-n", "12", "--temperature", "0",
+                         "--ignore-eos")
+    model, tokenizer = kvlab.load(folder)
+    prompt = tokenizer.encode("Now is the winter")
+    want = tokenizer.decode(kvlab.generate(model, [prompt], 12)[0])
+    assert out.stdout == want + "\n"
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1
+    stats = lines[0]
+    assert re.search(rf"prompt {len(prompt)} tokens \| prefill [\d.]+ ms \([\d]+ tok/s\) \| decode 12 tokens, "
+                     r"[\d.]+ ms/token \([\d.]+ tok/s\) \| cache \d+ tokens, [\d.]+ KiB float32 \| stop: max tokens",
+                     stats), stats
+    assert f"cache {len(prompt) + 11} tokens" in stats  # the last chosen token is never fed back
+
+
+def test_sampling_flags_and_kv_cache_dtype(folder):
+    args = ["--model", str(folder), "winter", "-n", "10", "--temperature", "0.9", "--top-p", "0.9",
+            "--top-k", "50", "--min-p", "0.01", "--ignore-eos"]
+    first = kvlab_generate(*args, "--seed", "3", "--kv-cache-dtype", "bf16")
+    second = kvlab_generate(*args, "--seed", "3", "--kv-cache-dtype", "bf16")
+    assert first.stdout == second.stdout  # seeded
+    assert "bfloat16" in first.stderr
+    third = kvlab_generate(*args, "--seed", "4")
+    assert "float32" in third.stderr
+    f64 = kvlab_generate("--model", str(folder), "winter", "-n", "3", "--dtype", "float64", "--max_tokens=3")
+    assert "float64" in f64.stderr  # underscore spelling accepted too
+
+
+def test_stops_at_eos(tmp_path):
+    # A zero LM head makes every logit 0, so greedy picks id 0; name id 0 the eos token.
+    write_folder(tmp_path / "m")
+    from kvlab.hf.safetensors import load_file, save_file
+    weights = dict(load_file(tmp_path / "m" / "model.safetensors"))
+    weights["lm_head.weight"] = np.zeros_like(weights["lm_head.weight"])
+    save_file(weights, tmp_path / "m" / "model.safetensors")
+    (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<s>"}))
+    model, tokenizer = kvlab.load(tmp_path / "m")
+    assert 0 in tokenizer.eos_token_ids
+    tokens = []
+    _, reason = generate_tokens(model, tokenizer.encode("winter"), tokens.append, cache=model.new_cache(),
+                                max_tokens=20, stop_token_ids=tokenizer.eos_token_ids)
+    assert tokens == [0] and reason == "eos"
+    out = kvlab_generate("--model", str(tmp_path / "m"), "winter", "-n", "20", "--temperature", "0")
+    assert out.stdout == "" and "decode 1 tokens" in out.stderr and "stop: eos" in out.stderr
+    out = kvlab_generate("--model", str(tmp_path / "m"), "winter", "-n", "5", "--temperature", "0",
+                         "--ignore-eos")
+    assert "decode 5 tokens" in out.stderr and "stop: max tokens" in out.stderr
+
+
+def test_streams_whole_characters_as_they_come(folder):
+    model, tokenizer = kvlab.load(folder)
+    prompt = tokenizer.encode("façade")
+    target = tokenizer.encode(" 😀 façade", add_bos=False)  # multi-byte characters over several tokens
+    out = io.StringIO()
+    stream = TextStream(tokenizer, prompt, out)
+    writes = []
+    out.write = lambda text: writes.append(text) or len(text)  # record each write
+    stream.start()
+    for token in target:
+        stream.on_token(token)
+    stream.finish()
+    assert "".join(writes) == " 😀 façade\n"
+    assert all("\ufffd" not in w for w in writes)
+    cache = model.new_cache()
+    model.forward([prompt], cache=cache)
+    stats = stream.stats(len(prompt), len(prompt), cache, "max tokens")
+    assert stats.new_tokens == len(target) and stats.cache_tokens == len(prompt)
+
+
+def test_prompt_cache_style_reuse_computes_only_the_rest(folder):
+    """generate_tokens on a cache that already holds part of the prompt computes only the remainder."""
+    model, tokenizer = kvlab.load(folder)
+    prompt = tokenizer.encode(TEXT)[:20]
+    cold = []
+    generate_tokens(model, prompt, cold.append, cache=model.new_cache(), max_tokens=6, temperature=0.0)
+    cache = model.new_cache()
+    model.forward([prompt[:12]], cache=cache)
+    warm = []
+    computed, _ = generate_tokens(model, prompt, warm.append, cache=cache, max_tokens=6, temperature=0.0)
+    assert computed == 8 and warm == cold
+    full = model.new_cache()
+    model.forward([prompt], cache=full)  # fully cached: the last prompt token is still computed
+    again = []
+    computed, _ = generate_tokens(model, prompt, again.append, cache=full, max_tokens=6, temperature=0.0)
+    assert computed == 1 and again == cold
+
+
+def test_chat_flag_uses_the_template(tmp_path):
+    write_folder(tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %} Answer:"
+    (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps(config))
+    out = kvlab_generate("--model", str(tmp_path / "m"), "--chat", "winter", "-n", "2", "--ignore-eos")
+    model, tokenizer = kvlab.load(tmp_path / "m")
+    assert f"prompt {len(tokenizer.encode('<s>winter Answer:', add_bos=False))} tokens" in out.stderr
+
+
+def test_errors_are_one_clear_line(tmp_path, folder):
+    missing = kvlab_generate("--model", str(tmp_path / "nope"), "hi", check=False)
+    assert missing.returncode == 2 and "no such model folder" in missing.stderr and not missing.stdout
+    long = kvlab_generate("--model", str(folder), TEXT * 20, check=False)
+    assert long.returncode == 2
+    assert f"but the model's context is {CONFIG.max_position_embeddings} tokens" in long.stderr
+    no_template = kvlab_generate("--model", str(folder), "--chat", "hi", check=False)
+    assert no_template.returncode == 2 and "no chat template" in no_template.stderr
+    zero = kvlab_generate("--model", str(folder), "hi", "-n", "0", check=False)
+    assert zero.returncode == 2 and "--max-tokens" in zero.stderr
+
+
+def test_stdin_prompt_and_context_end(folder):
+    proc = subprocess.run([sys.executable, "-m", "kvlab.cli", "generate", "--model", str(folder), "-n", "-1",
+                           "--ignore-eos", "--temperature", "0"], input="winter", capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "stop: context full" in proc.stderr
+    assert f"cache {CONFIG.max_position_embeddings} tokens" in proc.stderr
