@@ -171,7 +171,7 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     return tok
 
 
-def tokenizer_config(vocab_size: int) -> dict[str, object]:
+def tokenizer_config() -> dict[str, object]:
     """transformers-compatible config; add_bos_token tells kvlab to prepend <s>."""
     special = {"content": "", "lstrip": False, "normalized": False, "rstrip": False,
                "single_word": False, "special": True}
@@ -187,7 +187,6 @@ def tokenizer_config(vocab_size: int) -> dict[str, object]:
             "0": {**special, "content": BOS},
             "1": {**special, "content": EOS},
         },
-        "vocab_size": vocab_size,
     }
 
 
@@ -230,7 +229,7 @@ def main() -> None:
 
     tok = train_tokenizer([cleaned[w] for w in train_works], args.vocab_size)
     tok.save(str(args.model_dir / "tokenizer.json"))
-    config = tokenizer_config(tok.get_vocab_size())
+    config = tokenizer_config()
     (args.model_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     special_map = {"bos_token": BOS, "eos_token": EOS}
     (args.model_dir / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")

@@ -56,7 +56,7 @@ class TrainArgs:
     context: int = 256
     rope_theta: float = 10000.0
     batch_size: int = 16
-    steps: int = 1600
+    steps: int = 1000
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup: int = 100
