@@ -14,18 +14,26 @@ import numpy as np
 
 # Up to this many query rows per KV head (group size x new tokens), attention computes K @ q^T.
 SMALL_QUERY_ROWS = 16
+# Longer runs of new positions are attended in blocks of this many (see `attend`).
+QUERY_BLOCK = 128
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x / sqrt(mean(x^2) + eps) * weight, over the last axis.
 
-    The sum of squares is one `np.vecdot` call and the rest works on the tiny [..., 1] scale: the decode
-    step runs this twice per layer on a single row, where the number of NumPy calls is the whole cost
-    (np.mean alone costs several microseconds of Python).
+    Written for few NumPy calls: a decode step runs this twice per layer on one row, right after a
+    matrix-vector product has streamed megabytes through the caches, and there each call costs
+    microseconds (np.mean alone is several). A single row takes its scale as a Python float.
     """
-    mean_square = np.vecdot(x, x)[..., None]
-    mean_square /= x.shape[-1]
-    out = x * (1.0 / np.sqrt(mean_square + eps))
+    n = x.shape[-1]
+    if x.size == n:
+        flat = x.reshape(n)
+        out = x * (1.0 / math.sqrt(float(flat @ flat) / n + eps))
+    else:
+        mean_square = np.vecdot(x, x)[..., None]
+        mean_square /= n
+        mean_square += eps
+        out = x / np.sqrt(mean_square)
     out *= weight
     return out
 
@@ -168,6 +176,9 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
     """grouped_attention with the mask already built ([Tq, Tk], per-row [B, Tq, Tk], or None = all visible).
 
     The model builds the mask once per forward (positions are the same in every layer) and calls this.
+    Long query runs (prefill) go in blocks of QUERY_BLOCK positions, each against only the keys some query
+    of the block can see: causal prefill then skips the masked half of both matmuls and of the softmax,
+    and a block's scores stay in cache. Every query row's result is the same as in one big block.
     """
     batch, num_heads, num_new, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -176,24 +187,66 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
     group = num_heads // num_kv_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     # Scaling q rather than the scores saves a pass over [T_new, T_all] (and is exact when d is 4^n).
-    qg = q.reshape(batch, num_kv_heads, group * num_new, head_dim) * q.dtype.type(scale)
+    q5 = q.reshape(batch, num_kv_heads, group, num_new, head_dim) * q.dtype.type(scale)
+    if num_new <= QUERY_BLOCK:
+        return _attend_block(q5, k, v, mask).reshape(batch, num_heads, num_new, head_dim)
+    out = np.empty(q5.shape, dtype=np.result_type(q5, v))
+    for start in range(0, num_new, QUERY_BLOCK):
+        stop = min(start + QUERY_BLOCK, num_new)
+        block_mask = None if mask is None else mask[..., start:stop, :]
+        lo, hi = 0, k.shape[2]
+        if block_mask is not None:
+            visible = np.flatnonzero(block_mask.reshape(-1, block_mask.shape[-1]).any(axis=0))
+            if visible.size == 0:  # no query of the block sees any key
+                out[:, :, :, start:stop] = 0
+                continue
+            lo, hi = int(visible[0]), int(visible[-1]) + 1
+            block_mask = block_mask[..., lo:hi]
+        out[:, :, :, start:stop] = _attend_block(q5[:, :, :, start:stop], k[:, :, lo:hi], v[:, :, lo:hi],
+                                                 block_mask)
+    return out.reshape(batch, num_heads, num_new, head_dim)
+
+
+def _attend_block(q5: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """Scaled queries q5 [B, H_kv, G, n, d] against k, v [B, H_kv, Tk, d]; returns [B, H_kv, G, n, d].
+
+    The softmax is left unnormalised until after the value matmul: dividing the [n, d] output instead of
+    the [n, Tk] probabilities saves a pass over the scores. Masking touches only the key columns the
+    mask cuts (for causal prefill, the block's own diagonal), not the whole score matrix.
+    """
+    batch, num_kv_heads, group, num_new, head_dim = q5.shape
+    qg = q5.reshape(batch, num_kv_heads, group * num_new, head_dim)
     if group * num_new <= SMALL_QUERY_ROWS:
         # Decode: K @ q^T with a contiguous [d, G] right operand. OpenBLAS is slow at q @ K^T when q has
         # only a few rows (it packs all of K), ~3.5x slower at 1024 cached tokens; this orientation
         # streams K once. The small [T, G] result is then transposed back for the softmax.
         scores = np.swapaxes(k @ np.ascontiguousarray(np.swapaxes(qg, -1, -2)), -1, -2).copy()
     else:
-        scores = qg @ np.swapaxes(k, -1, -2)  # [B, H_kv, G*T_new, T_all]
+        scores = qg @ np.swapaxes(k, -1, -2)  # [B, H_kv, G*n, Tk]
+    shape = scores.shape
+    scores = scores.reshape(batch, num_kv_heads, group, num_new, shape[-1])
     if mask is not None:
-        shape = scores.shape
-        scores = scores.reshape(batch, num_kv_heads, group, num_new, shape[-1])
-        if mask.ndim == 3:  # per-row positions: [B, Tq, Tk] -> [B, 1, 1, Tq, Tk]
-            mask = mask[:, None, None]
-        probs = softmax_(scores, mask).reshape(shape)
-    else:
-        probs = softmax_(scores)
-    out = probs.astype(v.dtype, copy=False) @ v  # [B, H_kv, G*T_new, d]
-    return out.reshape(batch, num_heads, num_new, head_dim)
+        cut = np.flatnonzero(~mask.all(axis=-2).reshape(-1, mask.shape[-1]).all(axis=0))
+        if cut.size:
+            lo, hi = int(cut[0]), int(cut[-1]) + 1
+            part = mask[..., lo:hi]
+            if part.ndim == 3:  # per-row positions: [B, n, Tk] -> [B, 1, 1, n, Tk]
+                part = part[:, None, None]
+            np.copyto(scores[..., lo:hi], -np.inf, where=~part)
+            row_max = np.max(scores, axis=-1, keepdims=True)
+            row_max[~np.isfinite(row_max)] = 0.0  # a row that sees no key gives zeros, not NaN
+        else:
+            mask = None
+    if mask is None:
+        row_max = np.max(scores, axis=-1, keepdims=True)
+    scores -= row_max
+    np.exp(scores, out=scores)
+    total = np.add.reduce(scores, axis=-1, keepdims=True)
+    total[total == 0] = 1.0
+    out = scores.reshape(shape).astype(v.dtype, copy=False) @ v  # [B, H_kv, G*n, d]
+    out = out.reshape(batch, num_kv_heads, group, num_new, head_dim)
+    out /= total
+    return out
 
 
 def silu(x: np.ndarray) -> np.ndarray:
