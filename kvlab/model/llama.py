@@ -217,14 +217,9 @@ class LlamaModel:
         batch, num_new = x.shape[:2]
         heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         qk_heads = heads + kv_heads
-        eps = config.rms_norm_eps
         mask = None
         for index, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, eps)
-            qkv = h @ layer.w_qkv
-            if layer.b_qkv is not None:
-                qkv += layer.b_qkv
-            qkv = qkv.reshape(batch, num_new, qk_heads + kv_heads, head_dim)
+            qkv = self._qkv(x, layer).reshape(batch, num_new, qk_heads + kv_heads, head_dim)
             qk = rotate_halves(qkv[:, :, :qk_heads], cos, sin)  # RoPE on q and k heads together: [B, T, H_q+H_kv, d]
             q = qk[:, :, :heads].transpose(0, 2, 1, 3)
             k = qk[:, :, heads:].transpose(0, 2, 1, 3)
@@ -237,14 +232,7 @@ class LlamaModel:
                 mask = attention_mask(positions, key_positions, causal=config.causal,
                                       sliding_window=config.sliding_window)
             attn = attend(q, k, v, mask)
-            out = attn.transpose(0, 2, 1, 3).reshape(batch, num_new, heads * head_dim) @ layer.w_o
-            if layer.b_o is not None:
-                out += layer.b_o
-            x += out
-            h = rms_norm(x, layer.post_norm, eps)
-            gate_up = h @ layer.w_gate_up
-            inter = gate_up.shape[-1] // 2
-            x += swiglu(gate_up[..., :inter], gate_up[..., inter:]) @ layer.w_down.T
+            self._finish_block(x, layer, attn.transpose(0, 2, 1, 3).reshape(batch, num_new, heads * head_dim))
 
     def _decode_key_start(self, position: int, cache: KVCache | None) -> int | None:
         """For a one-token step: the index of the first key it may see, if the visible keys are exactly the
@@ -277,16 +265,11 @@ class LlamaModel:
         batch, hidden = x.shape[0], x.shape[2]
         heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         group, qk_heads, half = heads // kv_heads, heads + kv_heads, head_dim // 2
-        eps = config.rms_norm_eps
         scale = x.dtype.type(1.0 / math.sqrt(head_dim))
         cos, sin = cos.reshape(2, half), sin.reshape(2, half)  # this position's rotation
         x = x.reshape(batch, hidden)  # a view: updating it updates the caller's residual stream
         for index, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, eps)
-            qkv = h @ layer.w_qkv
-            if layer.b_qkv is not None:
-                qkv += layer.b_qkv
-            qkv = qkv.reshape(batch, qk_heads + kv_heads, 2, half)
+            qkv = self._qkv(x, layer).reshape(batch, qk_heads + kv_heads, 2, half)
             qk = qkv[:, :qk_heads]
             rotated = qk * cos
             rotated += qk[:, :, ::-1] * sin  # rotate_halves: [x1, x2] -> [x1 c - x2 s, x2 c + x1 s]
@@ -304,14 +287,24 @@ class LlamaModel:
             np.exp(weights, out=weights)
             attn = weights @ v  # [B, H_kv, G, d], unnormalised
             attn /= np.add.reduce(weights, axis=-1, keepdims=True)
-            out = attn.reshape(batch, heads * head_dim) @ layer.w_o
-            if layer.b_o is not None:
-                out += layer.b_o
-            x += out
-            h = rms_norm(x, layer.post_norm, eps)
-            gate_up = h @ layer.w_gate_up
-            inter = gate_up.shape[-1] // 2
-            x += swiglu(gate_up[:, :inter], gate_up[:, inter:]) @ layer.w_down.T
+            self._finish_block(x, layer, attn.reshape(batch, heads * head_dim))
+
+    def _qkv(self, x: np.ndarray, layer: _Layer) -> np.ndarray:
+        """The fused q/k/v projection of the normalised residual stream (one matmul)."""
+        qkv = rms_norm(x, layer.input_norm, self.config.rms_norm_eps) @ layer.w_qkv
+        if layer.b_qkv is not None:
+            qkv += layer.b_qkv
+        return qkv
+
+    def _finish_block(self, x: np.ndarray, layer: _Layer, attn: np.ndarray) -> None:
+        """Output projection of the merged heads `attn` [..., H_q d], then the SwiGLU MLP; x updated in place."""
+        out = attn @ layer.w_o
+        if layer.b_o is not None:
+            out += layer.b_o
+        x += out
+        gate_up = rms_norm(x, layer.post_norm, self.config.rms_norm_eps) @ layer.w_gate_up
+        inter = gate_up.shape[-1] // 2
+        x += swiglu(gate_up[..., :inter], gate_up[..., inter:]) @ layer.w_down.T
 
     __call__ = forward
 
