@@ -38,7 +38,10 @@ def test_greedy_text_on_stdout_and_one_stats_line_on_stderr(folder):
     model, tokenizer = kvlab.load(folder)
     prompt = tokenizer.encode("Now is the winter")
     want = tokenizer.decode(kvlab.generate(model, [prompt], 12)[0])
-    assert out.stdout == want + "\n"
+    assert out.stdout == "Now is the winter" + want + "\n"  # the prompt is echoed first, as llama.cpp does
+    bare = kvlab_generate("--model", str(folder), "Now is the winter", "-n", "12", "--temperature", "0",
+                          "--ignore-eos", "--no-display-prompt")
+    assert bare.stdout == want + "\n"
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1
     stats = lines[0]
@@ -76,7 +79,7 @@ def test_stops_at_eos(tmp_path):
                                 max_tokens=20, stop_token_ids=tokenizer.eos_token_ids)
     assert tokens == [0] and reason == "eos"
     out = kvlab_generate("--model", str(tmp_path / "m"), "winter", "-n", "20", "--temperature", "0")
-    assert out.stdout == "" and "decode 1 tokens" in out.stderr and "stop: eos" in out.stderr
+    assert out.stdout == "winter\n" and "decode 1 tokens" in out.stderr and "stop: eos" in out.stderr
     out = kvlab_generate("--model", str(tmp_path / "m"), "winter", "-n", "5", "--temperature", "0",
                          "--ignore-eos")
     assert "decode 5 tokens" in out.stderr and "stop: max tokens" in out.stderr

@@ -45,6 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true",
                    help="send the prompt as a user message through the model's chat template")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    p.add_argument("--no-display-prompt", action="store_true",
+                   help="print only the generated text (default: the prompt first, as llama.cpp does)")
     p.add_argument("--prompt-cache", metavar="FILE", default=None,
                    help="reuse the KV cache saved in FILE for the prompt's common prefix, then save the "
                         "prompt and the new tokens back to it (llama.cpp's --prompt-cache)")
@@ -112,6 +114,10 @@ class TextStream:
         self._write(self.decoder.flush())
         if not self._ends_with_newline:
             self._write("\n")
+
+    def write_prompt(self, text: str) -> None:
+        """Echo the prompt text as given, so the continuation reads on from it."""
+        self._write(text)
 
     def _write(self, text: str) -> None:
         if text:
@@ -193,6 +199,8 @@ def run(args: argparse.Namespace) -> int:
     capacity = min(context, len(prompt) + (max_tokens or context))
     cache = model.new_cache(1, kv_dtype=args.kv_dtype, capacity=capacity)
     stream = TextStream(tokenizer, prompt, sys.stdout, stop)
+    if not (args.chat or args.no_display_prompt):
+        stream.write_prompt(text)
     stream.start()
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                     seed=args.seed)
