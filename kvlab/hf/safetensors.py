@@ -57,30 +57,41 @@ class SafetensorsHeader:
 
 
 def read_header(path: str | Path) -> SafetensorsHeader:
-    """Parse and validate the header of a .safetensors file without reading the payload.
-
-    Checks: the length prefix fits the file, the JSON is an object, every dtype is known, every shape is a
-    list of non-negative ints whose byte size equals its offsets span, and offsets lie inside the file
-    without overlapping.
-    """
+    """Parse and validate the header of a .safetensors file without reading the payload."""
     path = Path(path)
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
-            header_len = int.from_bytes(prefix, "little")
-            if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
-                raise CheckpointError(f"{path}: bad safetensors header length {header_len} for a file of "
-                                      f"{size} bytes (truncated or not a safetensors file)")
-            raw = f.read(header_len)
+            head = f.read(8)
+            head += f.read(_header_length(path, head, size))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
     except IsADirectoryError:
         raise CheckpointError(f"{path}: is a directory, expected a .safetensors file") from None
+    return parse_header(head, size, path)
+
+
+def _header_length(path: Path, prefix: bytes, size: int) -> int:
+    if len(prefix) < 8:
+        raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
+    header_len = int.from_bytes(prefix[:8], "little")
+    if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+        raise CheckpointError(f"{path}: bad safetensors header length {header_len} for a file of "
+                              f"{size} bytes (truncated or not a safetensors file)")
+    return header_len
+
+
+def parse_header(head: bytes, file_size: int, path: str | Path) -> SafetensorsHeader:
+    """Validate the header at the start of `head` (at least its first 8 + N bytes) for a file of `file_size`.
+
+    Checks: the length prefix fits the file, the JSON is an object, every dtype is known, every shape is a
+    list of non-negative ints whose byte size equals its offsets span, and offsets lie inside the file
+    without overlapping. Callers that hold the whole file (session files, which hash it) pass it here too.
+    """
+    path = Path(path)
+    header_len = _header_length(path, head, file_size)
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = json.loads(bytes(head[8: 8 + header_len]).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path}: safetensors header is not valid JSON ({exc})") from None
     if not isinstance(header, dict):
@@ -89,13 +100,21 @@ def read_header(path: str | Path) -> SafetensorsHeader:
     if not isinstance(metadata, dict):
         raise CheckpointError(f"{path}: __metadata__ must be a JSON object")
     base = 8 + header_len
-    payload = size - base
+    payload = file_size - base
     tensors = {name: _parse_entry(path, name, entry, base, payload) for name, entry in header.items()}
     spans = sorted((t.start, t.end, t.name) for t in tensors.values() if t.end > t.start)
     for (_, end_a, name_a), (start_b, _, name_b) in zip(spans, spans[1:]):
         if start_b < end_a:
             raise CheckpointError(f"{path}: tensors {name_a!r} and {name_b!r} overlap in the file")
-    return SafetensorsHeader(path, tensors, {str(k): str(v) for k, v in metadata.items()}, size)
+    return SafetensorsHeader(path, tensors, {str(k): str(v) for k, v in metadata.items()}, file_size)
+
+
+def tensors_from_buffer(header: SafetensorsHeader, blob: bytes) -> dict[str, np.ndarray]:
+    """Read-only arrays over a whole file already in memory (`blob`), as `header` describes them."""
+    if len(blob) != header.file_size:
+        raise CheckpointError(f"{header.path}: expected {header.file_size} bytes, got {len(blob)}")
+    return {t.name: np.frombuffer(blob, dtype=t.dtype, count=math.prod(t.shape), offset=t.start).reshape(t.shape)
+            for t in header.tensors.values()}
 
 
 def _parse_entry(path: Path, name: str, entry: object, base: int, payload: int) -> TensorInfo:

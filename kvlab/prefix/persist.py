@@ -18,26 +18,22 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-import ml_dtypes
 import numpy as np
 import safetensors.numpy
 
 from kvlab.cache.kv_cache import KVCache, resolve_kv_dtype
 from kvlab.errors import CacheMismatchError, CheckpointError, InputError
+from kvlab.hf.safetensors import SafetensorsHeader, parse_header, tensors_from_buffer
 from kvlab.model.llama import LlamaModel
 
 FORMAT, VERSION = "kvlab.session", 1
 _ZEROS = "0" * 64
-_DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
-           "BF16": np.dtype(ml_dtypes.bfloat16)}
-_MAX_HEADER = 100 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -122,56 +118,30 @@ def _atomic_write(path: Path, blob: bytes | bytearray) -> None:
         pass
 
 
-def _read_verified(path: Path) -> tuple[bytes, dict[str, Any], int]:
-    """The file's bytes, its parsed header and where the payload starts, after the checksum matched."""
+def _read_verified(path: Path) -> tuple[bytes, SafetensorsHeader]:
+    """The file's bytes and its validated header, after the checksum matched."""
     try:
         blob = path.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such session file") from None
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    if len(blob) < 8:
-        raise CheckpointError(f"{path}: truncated ({len(blob)} bytes): not a session file")
-    header_len = int.from_bytes(blob[:8], "little")
-    if header_len > min(_MAX_HEADER, len(blob) - 8):
-        raise CheckpointError(f"{path}: truncated or corrupt (header of {header_len} bytes in a file of "
-                              f"{len(blob)})")
-    try:
-        header = json.loads(blob[8: 8 + header_len].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: corrupt header ({exc})") from None
-    metadata = header.get("__metadata__") if isinstance(header, dict) else None
-    if not isinstance(metadata, dict) or not isinstance(metadata.get("kvlab"), str) \
-            or not isinstance(metadata.get("sha256"), str):
+    header = parse_header(blob, len(blob), path)
+    metadata = header.metadata
+    if "kvlab" not in metadata or "sha256" not in metadata:
         raise CheckpointError(f"{path}: not a kvlab session file (no kvlab metadata or checksum)")
     digest = metadata["sha256"]
     if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
         raise CheckpointError(f"{path}: corrupt checksum field")
+    header_end = 8 + int.from_bytes(blob[:8], "little")
     try:
-        span = _digest_span(blob, 8 + header_len, digest)
+        span = _digest_span(blob, header_end, digest)
     except CheckpointError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
     if _sha256_zeroed(blob, span) != digest:
         raise CheckpointError(f"{path}: checksum mismatch: the file was truncated, corrupted or modified "
                               "after it was written")
-    return blob, header, 8 + header_len
-
-
-def _tensor(blob: bytes, base: int, name: str, entry: Any, dtype: np.dtype,
-            shape: tuple[int, ...]) -> np.ndarray:
-    """One tensor as a read-only view of `blob`, after checking its dtype, shape and byte range."""
-    if not isinstance(entry, dict) or _DTYPES.get(entry.get("dtype")) != dtype \
-            or entry.get("shape") != list(shape):
-        raise CheckpointError(f"tensor {name!r} is not {dtype.name} {list(shape)}")
-    offsets = entry.get("data_offsets")
-    count = math.prod(shape)
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-            and 0 <= offsets[0] and offsets[1] - offsets[0] == count * dtype.itemsize
-            and base + offsets[1] <= len(blob)):
-        raise CheckpointError(f"tensor {name!r} has bad data offsets {offsets!r}")
-    if count == 0:
-        return np.zeros(shape, dtype)
-    return np.frombuffer(blob, dtype=dtype, count=count, offset=base + offsets[0]).reshape(shape)
+    return blob, header
 
 
 def _int_list(value: Any, length: int, high: int | None = None) -> bool:
@@ -186,9 +156,9 @@ def read_session_file(path: str | Path, model: LlamaModel, kv_dtype: object = No
     compute dtype, or (when `kv_dtype` is given) holds another cache dtype.
     """
     path = Path(path)
-    blob, header, base = _read_verified(path)
+    blob, header = _read_verified(path)
     try:
-        meta = json.loads(header["__metadata__"]["kvlab"])
+        meta = json.loads(header.metadata["kvlab"])
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path}: corrupt metadata ({exc})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
@@ -222,15 +192,14 @@ def read_session_file(path: str | Path, model: LlamaModel, kv_dtype: object = No
     if not isinstance(meta.get("extra"), dict):
         raise CheckpointError(f"{path}: extra data is not a JSON object")
     names = {f"layers.{i}.{kind}" for i in range(spec.num_layers) for kind in ("keys", "values")}
-    if set(header) - {"__metadata__"} != names:
+    if set(header.tensors) != names:
         raise CheckpointError(f"{path}: expected tensors layers.0..{spec.num_layers - 1}.keys/values")
     shape = (1, spec.num_kv_heads, length, spec.head_dim)
-    try:
-        keys = [_tensor(blob, base, f"layers.{i}.keys", header[f"layers.{i}.keys"], stored, shape)
-                for i in range(spec.num_layers)]
-        values = [_tensor(blob, base, f"layers.{i}.values", header[f"layers.{i}.values"], stored, shape)
-                  for i in range(spec.num_layers)]
-    except CheckpointError as exc:
-        raise CheckpointError(f"{path}: {exc}") from None
+    for info in header.tensors.values():
+        if info.dtype != stored or info.shape != shape:
+            raise CheckpointError(f"{path}: tensor {info.name!r} is not {stored.name} {list(shape)}")
+    arrays = tensors_from_buffer(header, blob)
+    keys = [arrays[f"layers.{i}.keys"] for i in range(spec.num_layers)]
+    values = [arrays[f"layers.{i}.values"] for i in range(spec.num_layers)]
     cache = KVCache.from_arrays(spec, keys, values, np.asarray(meta["positions"], dtype=np.int64), stored)
     return SavedSession(cache=cache, tokens=list(meta["tokens"]), extra=meta["extra"])
