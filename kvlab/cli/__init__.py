@@ -1,7 +1,7 @@
 """The `kvlab` command: one module per subcommand, each with `add_parser(subparsers)` and `run(args)`.
 
-Tables and progress go to stderr-free rich consoles on stdout only where the output *is* the table;
-generated text goes to stdout, stats and progress to stderr, so stdout stays pipeable.
+Where the output *is* a table (demo, verify, memory) it goes to stdout; where the output is generated text,
+the text goes to stdout and stats and progress go to stderr, so stdout stays pipeable.
 """
 
 from __future__ import annotations

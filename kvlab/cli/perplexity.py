@@ -29,8 +29,8 @@ def run(args: argparse.Namespace) -> int:
     import kvlab
 
     model, tokenizer = kvlab.load(args.model, dtype=args.dtype)
-    text_path = Path(args.text) if args.text else Path(getattr(tokenizer, "path", "") or args.model or
-                                                       kvlab.hf.DEFAULT_MODEL_DIR) / "validation.txt"
+    folder = Path(args.model) if args.model else kvlab.hf.DEFAULT_MODEL_DIR
+    text_path = Path(args.text) if args.text else folder / "validation.txt"
     if not text_path.is_file():
         raise InputError(f"{text_path}: no such text file (give --text)")
     text = text_path.read_text(encoding="utf-8")
