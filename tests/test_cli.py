@@ -71,3 +71,11 @@ def test_demo_prints_the_timing_table_work_and_memory():
     assert "prefill 'The cat sat'" in out and "0-10 (11)" in out and "0-15 (16)" in out
     assert "with the cache" in out and "16" in out and "81" in out
     assert "8,192" in out and "PASS" in out
+
+
+def test_verify_runs_on_the_shipped_model_in_float32_and_float64():
+    for dtype, tolerance in (("float32", 1e-4), ("float64", 1e-10)):
+        result = json.loads(kvlab("verify", "--model", "default", "--dtype", dtype, "--json").stdout)
+        assert result["passed"] and result["checks"][0]["tolerance"] == tolerance
+    out = kvlab("verify", "--model", "default", "--bidirectional", check=False)
+    assert out.returncode == 2 and "negative control" in out.stderr
