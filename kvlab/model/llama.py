@@ -238,8 +238,8 @@ class LlamaModel:
         """For a one-token step: the index of the first key it may see, if the visible keys are exactly the
         cached rows from there on plus itself (always so with causal attention and a sliding window);
         None when the mask is anything else, and the general path must run."""
-        if cache is None:
-            return 0
+        if cache is None or (self.config.causal and self.config.sliding_window is None):
+            return 0  # cached rows sit at positions 0..position-1: a causal step without a window sees all
         key_positions = np.append(cache.positions, position)
         mask = attention_mask(np.array([position]), key_positions, causal=self.config.causal,
                               sliding_window=self.config.sliding_window)
