@@ -11,6 +11,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from kvlab import validate
 from kvlab.cache.base import CacheSpec, KVStore
 from kvlab.cache.contiguous import MIN_CAPACITY, ContiguousStore
 from kvlab.cache.memory import MemoryReport
@@ -48,10 +49,15 @@ class KVCache:
     def __init__(self, spec: CacheSpec, batch_size: int = 1, kv_dtype: object = None,
                  capacity: int = MIN_CAPACITY, store: KVStore | None = None) -> None:
         self.spec = spec
-        self.batch_size = int(batch_size)
+        self.batch_size = validate.int_in_range(batch_size, "batch_size", 1)
         self.dtype = resolve_kv_dtype(kv_dtype, spec.compute_dtype)
-        self.store: KVStore = store if store is not None else ContiguousStore(
-            spec.num_layers, self.batch_size, spec.num_kv_heads, spec.head_dim, self.dtype, capacity)
+        capacity = validate.int_in_range(capacity, "capacity", 0)
+        try:
+            self.store: KVStore = store if store is not None else ContiguousStore(
+                spec.num_layers, self.batch_size, spec.num_kv_heads, spec.head_dim, self.dtype, capacity)
+        except (MemoryError, ValueError) as exc:  # NumPy: out of memory, or "array is too big"
+            raise InputError(f"cannot allocate a cache for batch {self.batch_size} x {capacity} positions "
+                             f"({type(exc).__name__}: {exc})") from None
         self._positions = np.zeros(max(self.store.capacity_tokens, 1), dtype=np.int64)
         self._length = 0
 

@@ -10,7 +10,8 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from kvlab.cache.kv_cache import KVCache
+from kvlab import validate
+from kvlab.cache.kv_cache import KVCache, resolve_kv_dtype
 from kvlab.engine.sampling import Sampler, SamplingParams
 from kvlab.errors import ContextLengthError, InputError
 from kvlab.model.llama import LlamaModel, validate_ids
@@ -30,23 +31,35 @@ def stream_generate(model: LlamaModel, ids: Any, max_new_tokens: int | None = No
     """
     ids = validate_ids(ids, model.config.vocab_size)
     params = SamplingParams(temperature, top_k, top_p, min_p, seed)
-    stop = np.array(sorted({int(t) for t in stop_token_ids}), dtype=np.int64)
-    pad = int(stop[0]) if pad_token_id is None and stop.size else (pad_token_id or 0)
+    vocab = model.config.vocab_size
+    stop = np.array(sorted(set(validate.token_ids(stop_token_ids, "stop_token_ids", vocab))), dtype=np.int64)
+    pad = validate.optional_int(pad_token_id, "pad_token_id", 0, vocab - 1)
+    pad = (int(stop[0]) if stop.size else 0) if pad is None else pad
+    if not isinstance(use_cache, bool):
+        raise InputError(f"use_cache must be True or False, got {use_cache!r}")
+    if kv_dtype is not None:
+        resolve_kv_dtype(kv_dtype, model.dtype)  # an unknown name fails now, not at the first step
+    if cache is not None:
+        if not isinstance(cache, KVCache):
+            raise InputError(f"cache must be a KVCache, got {type(cache).__name__}")
+        if not use_cache:
+            raise InputError("cache= was given with use_cache=False: the cache would be ignored and every step "
+                             "recomputed from position 0; drop one of them")
+        if kv_dtype is not None and resolve_kv_dtype(kv_dtype, cache.spec.compute_dtype) != cache.dtype:
+            raise InputError(f"kv_dtype={kv_dtype!r} but the given cache stores {cache.dtype.name}")
+        cache.check_compatible(model.cache_spec, ids.shape[0])
     start = cache.get_seq_length() if cache is not None else 0
     context = model.config.max_position_embeddings
     room = context - start - ids.shape[1]
     if max_new_tokens is None:
         max_new_tokens = room + 1  # the last chosen token needs no position of its own
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
-        raise InputError(f"max_new_tokens must be a non-negative int or None, got {max_new_tokens!r}")
+    max_new_tokens = validate.int_in_range(max_new_tokens, "max_new_tokens", 0)
     if room < 0 or max_new_tokens - 1 > room:
         raise ContextLengthError(
             f"{start + ids.shape[1]} prompt tokens + {max_new_tokens} new tokens exceed the model's "
             f"context of {context} tokens (max_position_embeddings)")
     if max_new_tokens == 0:
         return iter(())
-    if cache is not None:
-        cache.check_compatible(model.cache_spec, ids.shape[0])
     if use_cache and cache is None:
         cache = model.new_cache(ids.shape[0], kv_dtype, capacity=start + ids.shape[1] + max_new_tokens)
     # Everything above runs at call time, so bad arguments raise here, not at the first next().

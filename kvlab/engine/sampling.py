@@ -1,7 +1,7 @@
 """Choosing the next token from logits: greedy, or seeded sampling with temperature/top-k/top-p/min-p.
 
 Parameter names and meanings follow vLLM's SamplingParams: temperature 0 is greedy; top_k 0 or -1 is
-off; top_p 1.0 is off; min_p 0.0 is off.
+off; top_p 1.0 is off; min_p 0.0 is off; seed None or -1 (llama.cpp's spelling) draws a fresh seed.
 """
 
 from __future__ import annotations
@@ -10,7 +10,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvlab import validate
 from kvlab.errors import InputError
+
+# Below this, logits / temperature overflows float64 for logits of ordinary size; vLLM treats temperatures
+# under 1e-5 as greedy, we refuse them so the user knows which one they got.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -22,14 +27,18 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise InputError(f"temperature must be >= 0, got {self.temperature}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise InputError(f"top_k must be an int >= -1 (0 or -1 = off), got {self.top_k!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise InputError(f"min_p must be in [0, 1], got {self.min_p}")
+        # One checker per kind of value (kvlab.validate), shared with the CLI and the server. Each field is
+        # stored back in its canonical type, so equal settings compare and print equal.
+        temperature = validate.finite_float(self.temperature, "temperature", low=0.0)
+        if 0.0 < temperature < MIN_TEMPERATURE:
+            raise InputError(f"temperature {temperature!r} is too small to sample with (logits / temperature "
+                             f"overflows): use 0 for greedy, or >= {MIN_TEMPERATURE}")
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_k", validate.int_in_range(self.top_k, "top_k (0 or -1 = off)", -1))
+        object.__setattr__(self, "top_p", validate.finite_float(self.top_p, "top_p", low=0.0, high=1.0,
+                                                                low_open=True))
+        object.__setattr__(self, "min_p", validate.finite_float(self.min_p, "min_p", low=0.0, high=1.0))
+        object.__setattr__(self, "seed", validate.seed(self.seed))
 
     @property
     def greedy(self) -> bool:

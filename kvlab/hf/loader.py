@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from kvlab import validate
 from kvlab.config import ModelConfig
 from kvlab.errors import CheckpointError, ConfigError
 from kvlab.hf.chat_template import ChatTemplate
@@ -37,27 +38,18 @@ def resolve_model_dir(path: str | Path | None) -> Path:
                 f"the default model is not available: {folder} has no config.json yet (it is produced by "
                 "scripts/train_default_model.py); pass a model folder instead")
         return folder
-    folder = Path(path).expanduser()
-    if not folder.exists():
-        raise CheckpointError(f"{folder}: no such model folder")
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder}: expected a model folder (with config.json and *.safetensors)")
-    return folder
+    if isinstance(path, (str, Path)) and not Path(path).expanduser().exists() \
+            and not Path(path).expanduser().is_symlink():
+        raise CheckpointError(f"{Path(path).expanduser()}: no such model folder")
+    return validate.existing_path(path, "model folder (with config.json and *.safetensors)", kind="dir",
+                                  error=CheckpointError)
 
 
 def read_json(path: Path, required: bool = True) -> dict[str, Any] | None:
-    """A JSON object from `path`; None if it is absent and not required."""
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        if required:
-            raise CheckpointError(f"{path}: file not found") from None
+    """A JSON object from `path`; None if it is absent and not required (a folder or a loop is refused)."""
+    if not required and not path.exists() and not path.is_symlink():
         return None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return raw
+    return validate.read_json_object(path, "file", error=CheckpointError)
 
 
 def load_config(folder: Path) -> ModelConfig:

@@ -12,6 +12,9 @@ from typing import Any
 
 import numpy as np
 
+from kvlab import validate
+from kvlab.errors import InputError
+
 # Up to this many query rows per KV head (group size x new tokens), attention computes K @ q^T.
 SMALL_QUERY_ROWS = 16
 # Longer runs of new positions are attended in blocks of this many (see `attend`).
@@ -102,6 +105,13 @@ def apply_rope(x: np.ndarray, positions: Any, theta: float = 10000.0,
     """
     x = np.asarray(x)
     positions = np.asarray(positions)
+    if x.ndim < 2 or x.dtype.kind != "f" or x.shape[-1] % 2:
+        raise InputError(f"x must be a float array [..., tokens, head_dim] with an even head_dim, got "
+                         f"{x.dtype} {list(x.shape)}")
+    if positions.dtype.kind not in "iu" or positions.shape[-1:] != x.shape[-2:-1] or positions.ndim > 2 \
+            or (positions.ndim == 2 and (x.ndim != 4 or positions.shape[0] != x.shape[0])):
+        raise InputError(f"positions {positions.dtype} {list(positions.shape)} must be ints, one per token of "
+                         f"x {list(x.shape)}: [T] or per-row [B, T]")
     if inv_freq is None:
         dtype = x.dtype if x.dtype in (np.float32, np.float64) else np.float64
         inv_freq = rope_inv_freq(x.shape[-1], theta, dtype=dtype)
@@ -164,11 +174,40 @@ def grouped_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, query_posi
     q: [B, H_q, T_new, d]; k, v: [B, H_kv, T_all, d]; positions: [T] or per-row [B, T].
     Query head h reads KV head h // (H_q / H_kv), the grouping transformers uses. K/V are never repeated:
     the G query heads of a group are stacked with their positions into one matmul against their KV head.
-    Returns [B, H_q, T_new, d] for the new queries only.
+    Returns [B, H_q, T_new, d] for the new queries only. Inconsistent shapes raise InputError (a key
+    without a position would otherwise be attended unmasked).
     """
+    query_positions, key_positions = np.asarray(query_positions), np.asarray(key_positions)
+    _check_attention_shapes(q, k, v, query_positions, key_positions, sliding_window)
     mask = attention_mask(np.asarray(query_positions), np.asarray(key_positions), causal=causal,
                           sliding_window=sliding_window)
     return attend(q, k, v, mask, scale)
+
+
+def _check_attention_shapes(q: Any, k: Any, v: Any, query_positions: np.ndarray, key_positions: np.ndarray,
+                            sliding_window: Any) -> None:
+    """InputError unless q [B, H_q, Tq, d], k and v [B, H_kv, Tk, d] and the positions agree."""
+    for name, array in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(array, "shape") or len(array.shape) != 4 or getattr(array, "dtype", None) is None \
+                or array.dtype.kind != "f":
+            raise InputError(f"{name} must be a 4-D float array [batch, heads, tokens, head_dim], got "
+                             f"{getattr(array, 'shape', type(array).__name__)}")
+    batch, heads, num_new, dim = q.shape
+    if k.shape != v.shape:
+        raise InputError(f"k {list(k.shape)} and v {list(v.shape)} must have the same shape")
+    if k.shape[0] != batch or k.shape[3] != dim:
+        raise InputError(f"k/v {list(k.shape)} do not match q {list(q.shape)} in batch or head_dim")
+    if k.shape[1] == 0 or heads % k.shape[1]:
+        raise InputError(f"{heads} query heads cannot be grouped over {k.shape[1]} KV heads")
+    for name, positions, length in (("query_positions", query_positions, num_new),
+                                    ("key_positions", key_positions, k.shape[2])):
+        if positions.dtype.kind not in "iu":
+            raise InputError(f"{name} must be integers, got dtype {positions.dtype}")
+        if positions.shape not in ((length,), (batch, length)):
+            raise InputError(f"{name} has shape {list(positions.shape)}; expected [{length}] or "
+                             f"[{batch}, {length}] (one position per {'query' if length == num_new else 'key'})")
+    if sliding_window is not None:
+        validate.int_in_range(sliding_window, "sliding_window", 1)
 
 
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,

@@ -73,6 +73,30 @@ def check_weights(config: ModelConfig, weights: Mapping[str, np.ndarray], source
         if tuple(array.shape) != want:
             raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(array.shape)} but the config "
                                   f"implies {want}")
+        bad = first_non_finite(array)
+        if bad is not None:
+            raise CheckpointError(f"{source}: tensor {name!r} holds {bad[1]} at index {bad[0]}: weights must "
+                                  "be finite (NaN or inf would turn every logit into NaN)")
+
+
+def first_non_finite(array: np.ndarray) -> tuple[tuple[int, ...], float] | None:
+    """(index, value) of the first NaN or inf in `array`, or None when every value is finite.
+
+    Cost: one pass summing in the array's own dtype (about half a copy, measured on 200 MB of float32): any
+    NaN or inf makes the sum non-finite, so a finite sum proves the tensor clean. Only a non-finite sum
+    (a bad value, or an overflow of the sum itself) pays for the exact element-wise check.
+    """
+    array = np.asarray(array)
+    if array.dtype.kind in "iub":
+        return None
+    with np.errstate(all="ignore"):
+        if np.isfinite(array.sum()):
+            return None
+        bad = np.argwhere(~np.isfinite(array))
+    if not bad.size:
+        return None
+    index = tuple(int(i) for i in bad[0])
+    return index, float(array[index])
 
 
 def random_weights(config: ModelConfig, seed: int = 0, dtype: object = np.float64) -> dict[str, np.ndarray]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from kvlab.errors import InputError
+from kvlab import validate
 from kvlab.model.llama import LlamaModel
 from kvlab.prefix.session import Session, Turn
 
@@ -31,7 +31,7 @@ class PromptCacheRun:
 
 def open_prompt_cache(path: str | Path, model: LlamaModel, kv_dtype: object = None) -> Session:
     """The session saved at `path`, or a fresh one when no file exists there yet."""
-    if Path(path).exists():
+    if Path(path).exists() or Path(path).is_symlink():  # a dangling link or a loop: refused by load
         return Session.load(path, model, kv_dtype)
     return Session(model, kv_dtype)
 
@@ -47,8 +47,8 @@ def generate_with_prompt_cache(model: LlamaModel, prompt_ids: Any, path: str | P
     called with each new token as it is chosen (for streaming output). If generation is interrupted, the
     file is not rewritten.
     """
-    if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 0):
-        raise InputError(f"max_new_tokens must be a non-negative int or None, got {max_new_tokens!r}")
+    validate.optional_int(max_new_tokens, "max_new_tokens", 0)
+    stop = validate.token_ids(stop_token_ids, "stop_token_ids", model.config.vocab_size)
     session = open_prompt_cache(path, model, kv_dtype)
     restored = session.num_cached_tokens
     tokens = session.check_tokens(prompt_ids)  # a bad prompt fails before any work
@@ -56,7 +56,6 @@ def generate_with_prompt_cache(model: LlamaModel, prompt_ids: Any, path: str | P
     limit = room if max_new_tokens is None else min(max_new_tokens, room)
     turn = session.feed(tokens)
     new_tokens = []
-    stop = [int(t) for t in stop_token_ids]
     for token in session.stream(limit, stop_token_ids=stop, **sampling):
         new_tokens.append(token)
         if on_token is not None:

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from kvlab import validate
 from kvlab.cache.contiguous import MIN_CAPACITY
 from kvlab.cache.kv_cache import KVCache
 from kvlab.cache.memory import MemoryReport
@@ -143,15 +144,13 @@ class Session:
         room = self.context_length - len(self._tokens)
         if max_new_tokens is None:
             max_new_tokens = room
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
-                or max_new_tokens < 0:
-            raise InputError(f"max_new_tokens must be a non-negative int or None, got {max_new_tokens!r}")
+        max_new_tokens = validate.int_in_range(max_new_tokens, "max_new_tokens", 0)
         if max_new_tokens > room:
             raise ContextLengthError(f"{len(self._tokens)} cached tokens + {max_new_tokens} new tokens "
                                      f"exceed the model's context of {self.context_length} tokens")
         sampler = Sampler(SamplingParams(temperature, top_k, top_p, min_p, seed))
         self.cache.check_compatible(self.model.cache_spec, 1)
-        stop = frozenset(int(t) for t in stop_token_ids)
+        stop = frozenset(validate.token_ids(stop_token_ids, "stop_token_ids", self.model.config.vocab_size))
         return self._steps(int(max_new_tokens), sampler, stop)
 
     def _steps(self, max_new_tokens: int, sampler: Sampler, stop: frozenset[int]) -> Iterator[int]:
@@ -170,8 +169,12 @@ class Session:
 
     # --- persistence ---------------------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
-        """Write cache, tokens and `extra` to one checksummed safetensors file, atomically (persist.py)."""
-        write_session_file(path, self.cache, self._tokens, self.extra)
+        """Write cache, tokens and `extra` to one checksummed safetensors file, atomically (persist.py).
+
+        `extra` must be a dict that survives a JSON round trip unchanged; anything else is refused before the
+        file is touched, so a session that saves can always be loaded.
+        """
+        write_session_file(path, self.cache, self._tokens, validate.json_dict(self.extra, "Session.extra"))
 
     @classmethod
     def load(cls, path: str | Path, model: LlamaModel, kv_dtype: object = None) -> "Session":

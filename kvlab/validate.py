@@ -1,0 +1,240 @@
+"""One checker per kind of value a user hands kvlab: numbers, seeds, token ids, byte sizes, paths, JSON data.
+
+Why one place: the CLI, the Python API, the engine and the server all take the same kinds of value, and a
+value that one entry point refuses must not slip through another. Each checker returns the value in its
+canonical Python type (a float, an int, a list of ints, a Path, ...) or raises InputError naming the value
+(`name`) and what was wrong. Callers that own a more specific error class pass it as `error` (a config
+loader raises ConfigError, a checkpoint reader CheckpointError). Nothing here mutates anything, so every
+entry point can validate all of its arguments first and only then change state.
+
+Bools are refused where a number is expected (`True` is an int in Python, but never what a user meant),
+and so are NaN, infinities and, for floats that scale something, subnormals (`temperature=1e-310` would
+overflow every logit to inf).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterable
+
+from kvlab.errors import InputError, KVLabError
+
+RANDOM_SEED = -1  # llama.cpp's `--seed -1`: draw a fresh seed
+MAX_SEED = 2**64 - 1
+
+
+def is_int(value: Any) -> bool:
+    """An int or NumPy integer, not a bool (duck-typed so this module needs no NumPy import)."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return False
+    if isinstance(value, int):
+        return True
+    return hasattr(value, "dtype") and getattr(value.dtype, "kind", "") in "iu" and getattr(value, "ndim", 1) == 0
+
+
+def is_real(value: Any) -> bool:
+    """A Python/NumPy int or float (not a bool, complex, string or array)."""
+    if is_int(value):
+        return True
+    if isinstance(value, float):
+        return True
+    return hasattr(value, "dtype") and getattr(value.dtype, "kind", "") == "f" and getattr(value, "ndim", 1) == 0
+
+
+def finite_float(value: Any, name: str, *, low: float | None = None, high: float | None = None,
+                 low_open: bool = False, high_open: bool = False, error: type[KVLabError] = InputError
+                 ) -> float:
+    """`value` as a finite float within [low, high] (an open end when `low_open` / `high_open`)."""
+    if not is_real(value):
+        raise error(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int too large for a float
+        raise error(f"{name} must be a finite number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise error(f"{name} must be a finite number, got {number!r}")
+    if low is not None and (number < low or (low_open and number == low)):
+        raise error(f"{name} must be {'>' if low_open else '>='} {low}, got {number!r}")
+    if high is not None and (number > high or (high_open and number == high)):
+        raise error(f"{name} must be {'<' if high_open else '<='} {high}, got {number!r}")
+    return number
+
+
+def positive_float(value: Any, name: str, error: type[KVLabError] = InputError) -> float:
+    """A finite float > 0 that is not subnormal: safe to divide by and to scale with."""
+    number = finite_float(value, name, low=0.0, low_open=True, error=error)
+    if number < 2.2250738585072014e-308:  # sys.float_info.min: below it, 1/x overflows
+        raise error(f"{name} must be a normal positive number, got {number!r} (subnormal)")
+    return number
+
+
+def int_in_range(value: Any, name: str, low: int | None = None, high: int | None = None,
+                 error: type[KVLabError] = InputError) -> int:
+    """`value` as a Python int in [low, high] (either end may be None = unbounded); bools refused."""
+    if not is_int(value) or (low is not None and value < low) or (high is not None and value > high):
+        got = repr(value) if is_int(value) else f"{type(value).__name__} {value!r}"
+        raise error(f"{name} must be {_int_range(low, high)}, got {got}")
+    return int(value)
+
+
+def _int_range(low: int | None, high: int | None) -> str:
+    if low is not None and high is not None:
+        return f"an int in [{low}, {high}]"
+    if low == 1:
+        return "a positive int"
+    if low == 0:
+        return "a non-negative int"
+    return "an int" + (f" >= {low}" if low is not None else "") + (f" <= {high}" if high is not None else "")
+
+
+def optional_int(value: Any, name: str, low: int | None = None, high: int | None = None,
+                 error: type[KVLabError] = InputError) -> int | None:
+    return None if value is None else int_in_range(value, name, low, high, error)
+
+
+def seed(value: Any, name: str = "seed", allow_random: bool = True) -> int | None:
+    """A sampling seed: an int in [0, 2**64), or None / -1 (llama.cpp's "random seed") = None."""
+    if value is None and allow_random:
+        return None
+    number = int_in_range(value, name, RANDOM_SEED if allow_random else 0, MAX_SEED)
+    return None if number == RANDOM_SEED else number
+
+
+def token_ids(value: Any, name: str, vocab_size: int | None = None, *, allow_single: bool = True,
+              allow_empty: bool = True) -> list[int]:
+    """A flat list of token ids in [0, vocab_size). A lone int is one id (as HF's `eos_token_id`)."""
+    if allow_single and is_int(value):
+        value = [value]
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable) or is_real(value):
+        raise InputError(f"{name} must be a list of token ids (ints), got {type(value).__name__} {value!r}")
+    ids = []
+    for i, item in enumerate(value):
+        if not is_int(item):
+            raise InputError(f"{name}[{i}] must be an int token id, got {type(item).__name__} {item!r}")
+        ids.append(int(item))
+    if not ids and not allow_empty:
+        raise InputError(f"{name} is empty")
+    for i, token in enumerate(ids):
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+            raise InputError(f"{name}[{i}] = {token} is outside the vocabulary {bound}")
+    return ids
+
+
+# --- byte sizes -----------------------------------------------------------------------------------------
+_SIZE_UNITS = {"": 1, "b": 1,
+               "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+               "t": 1000**4, "tb": 1000**4,
+               "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*")
+
+
+def parse_size(text: Any, name: str = "size") -> int:
+    """A byte count from '64MiB', '8 GiB', '512MB', '1e9' or 1000000.
+
+    Binary units KiB/MiB/GiB/TiB are powers of 1024 (how memory is allocated); decimal KB/MB/GB/TB (and
+    bare K/M/G/T) are powers of 1000 (how disks and clouds sell it). Units are case-insensitive. The result
+    must be a finite, non-negative whole number of bytes that fits an int64; fractions round down.
+    """
+    if is_int(text):
+        return int_in_range(text, name, 0, 2**63 - 1)
+    match = _SIZE.fullmatch(text) if isinstance(text, str) else None
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise InputError(f"cannot read {name} {text!r} as a byte count (try 8GiB, 512MB or 1000000)")
+    number = float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
+    if not math.isfinite(number) or number >= 2**63:
+        raise InputError(f"{name} {text!r} is too large (more than 2**63 bytes)")
+    return int(number)
+
+
+# --- paths and files ------------------------------------------------------------------------------------
+def existing_path(path: Any, name: str, *, kind: str = "file", error: type[KVLabError] = InputError) -> Path:
+    """A path that exists and is a file (kind="file") or a folder (kind="dir"), symlinks resolved.
+
+    Refuses, naming the path: non-path values, NUL bytes, missing paths, symlink loops, a folder where a
+    file is expected and the reverse.
+    """
+    if not isinstance(path, (str, os.PathLike)) or isinstance(path, bytes):
+        raise error(f"{name} must be a path, got {type(path).__name__} {path!r}")
+    text = os.fspath(path)
+    if not text or "\0" in text:
+        raise error(f"{name} {text!r} is not a valid path")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise error(f"{name} {text!r} is not valid UTF-8") from None
+    result = Path(text).expanduser()
+    try:
+        result.resolve(strict=True)
+        is_dir = result.is_dir()
+    except FileNotFoundError:
+        raise error(f"{result}: {name} not found") from None
+    except RuntimeError:  # Python 3.11 reports symlink loops this way
+        raise error(f"{result}: symlink loop") from None
+    except OSError as exc:
+        if exc.errno == 40:  # ELOOP
+            raise error(f"{result}: symlink loop") from None
+        raise error(f"{result}: {exc.strerror or exc}") from None
+    if kind == "file" and is_dir:
+        raise error(f"{result}: is a folder; the {name} must be a file")
+    if kind == "dir" and not is_dir:
+        raise error(f"{result}: is a file; the {name} must be a folder")
+    return result
+
+
+def read_text(path: Any, name: str = "text file", error: type[KVLabError] = InputError) -> str:
+    """The UTF-8 text of a file; refuses binary files (NUL bytes or invalid UTF-8) naming the offset."""
+    file = existing_path(path, name, kind="file", error=error)
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        raise error(f"{file}: cannot read ({exc.strerror or exc})") from None
+    return decode_text(data, str(file), error)
+
+
+def decode_text(data: bytes, what: str, error: type[KVLabError] = InputError) -> str:
+    """`data` as UTF-8 text; binary data (a NUL byte, or bytes that are not UTF-8) is refused."""
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise error(f"{what}: binary data, not text (NUL byte at offset {nul})")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{what}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})") from None
+
+
+def read_json_object(path: Any, name: str = "JSON file", error: type[KVLabError] = InputError) -> dict[str, Any]:
+    """A JSON object from a text file; NaN/Infinity literals are refused (they are not JSON)."""
+    text = read_text(path, name, error)
+    try:
+        raw = json.loads(text, parse_constant=_no_constant)
+    except ValueError as exc:
+        raise error(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise error(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def _no_constant(token: str) -> Any:
+    raise ValueError(f"{token} is not a JSON number")
+
+
+def json_dict(value: Any, name: str) -> dict[str, Any]:
+    """A dict that survives a JSON round trip unchanged: string keys, finite numbers, lists not tuples.
+
+    Why so strict: data saved now must load back as the same value; a tuple that comes back a list, an int
+    key that comes back a string or a NaN that cannot be written at all are refused before anything is saved.
+    """
+    if not isinstance(value, dict):
+        raise InputError(f"{name} must be a dict, got {type(value).__name__}")
+    try:
+        text = json.dumps(value, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"{name} must be JSON data ({exc})") from None
+    if json.loads(text) != value:
+        raise InputError(f"{name} does not survive a JSON round trip unchanged (non-string keys or tuples?)")
+    return value
