@@ -16,6 +16,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from kvlab import validate
 from kvlab.errors import InputError
 from kvlab.model.llama import LlamaModel
 
@@ -52,9 +53,12 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 def perplexity(model: LlamaModel, token_ids: Sequence[int], bos_token_id: int, context: int | None = None,
                stride: int | None = None, kv_dtype: object = None, chunk: int | None = None) -> PerplexityResult:
     """Mean NLL of `token_ids` under `model`; `chunk` feeds each window through the cache in pieces."""
-    ids = np.asarray(token_ids, dtype=np.int64)
-    if ids.ndim != 1 or ids.size == 0:
-        raise InputError("perplexity needs a non-empty 1-D token stream")
+    vocab = model.config.vocab_size
+    ids = np.asarray(validate.token_ids(token_ids, "token_ids", vocab, allow_single=False, allow_empty=False),
+                     dtype=np.int64)
+    bos_token_id = validate.int_in_range(bos_token_id, "bos_token_id", 0, vocab - 1)
+    for name, value in (("context", context), ("stride", stride), ("chunk", chunk)):
+        validate.optional_int(value, name, 1)
     context = context or model.config.max_position_embeddings
     if context > model.config.max_position_embeddings:
         raise InputError(f"context {context} exceeds the model's {model.config.max_position_embeddings}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 from kvlab.errors import KVLabError
 
@@ -16,9 +17,18 @@ from kvlab.errors import KVLabError
 COMMANDS = ["demo", "verify", "memory", "generate", "chat", "perplexity"]
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: `kvlab generate: error: argument --seed: invalid int value: 'x'`."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvlab", description="An exact, inspectable KV-cache engine.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser = Parser(prog="kvlab", description="An exact, inspectable KV-cache engine.")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error (also accepted after the command)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     sub.required = True
     for name in COMMANDS:
         importlib.import_module(f"kvlab.cli.{name}").add_parser(sub)
@@ -37,14 +47,41 @@ def normalize_flags(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(normalize_flags(sys.argv[1:] if argv is None else argv))
+    """Run one subcommand. Any error is one line on stderr and a non-zero exit code (2: bad input or
+    model files, 1: anything else); `--debug` shows the traceback instead."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv[: argv.index("--") if "--" in argv else len(argv)]
+    if debug:
+        argv.remove("--debug")
+    for i, arg in enumerate(argv):
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:  # the OS handed Python bytes that are not UTF-8 (surrogate-escaped)
+            print(f"kvlab: error: argument {i + 1} ({arg!r}) is not valid UTF-8", file=sys.stderr)
+            return 2
+    args = build_parser().parse_args(normalize_flags(argv))
     try:
         return int(args.run(args) or 0)
-    except KVLabError as exc:
-        print(f"kvlab {args.command}: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `kvlab generate ... | head`: the reader left; not an error of ours
+        sys.stderr.close()
+        return 0
+    except Exception as exc:
+        if debug:
+            raise
+        print(f"kvlab {args.command}: error: {error_line(exc)}", file=sys.stderr)
+        return 2 if isinstance(exc, KVLabError) else 1
+
+
+def error_line(exc: BaseException) -> str:
+    """One line for the user: kvlab's own errors as they are, anything else with its type and a hint."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, KVLabError):
+        return text
+    if isinstance(exc, OSError):
+        return f"{exc.filename + ': ' if exc.filename else ''}{exc.strerror or text}"
+    return f"{type(exc).__name__}: {text} (an unexpected error; --debug shows where)"
 
 
 if __name__ == "__main__":

@@ -16,11 +16,12 @@ from typing import Any, Iterator, TextIO
 
 from kvlab.cli.fmt import human_bytes
 from kvlab.engine.sampling import SamplingParams
-from kvlab.errors import KVLabError
+from kvlab.errors import InputError, KVLabError
 from kvlab.model.llama import LlamaModel, TinyLlama
 from kvlab.prefix.conversation import Conversation
 from kvlab.prefix.session import Session
 from kvlab.tokenizer import ByteTokenizer
+from kvlab.validate import decode_text
 
 HELP = """commands:
   /edit TEXT   replace your last message with TEXT and answer again
@@ -121,10 +122,21 @@ def stream_decoder(tokenizer: Any, context: list[int]) -> Any:
 
 
 # --- input --------------------------------------------------------------------------------------------------
-def input_lines(stdin: TextIO, history: str | None) -> Iterator[str]:
-    """Lines typed at a prompt with readline editing and history on a TTY; raw lines from a pipe."""
+def input_lines(stdin: TextIO, history: str | None) -> Iterator[str | None]:
+    """Lines typed at a prompt with readline editing and history on a TTY; raw lines from a pipe.
+
+    A line that is not UTF-8 text comes out as None (the chat reports it and goes on with its history):
+    pipes are read as bytes and decoded line by line, so one bad line cannot end the stream.
+    """
     if not stdin.isatty():
-        for line in stdin:
+        buffer = getattr(stdin, "buffer", None)
+        for line in (buffer if buffer is not None else stdin):
+            if isinstance(line, bytes):
+                try:
+                    line = decode_text(line, "line")
+                except InputError:
+                    yield None
+                    continue
             yield line.rstrip("\r\n")
         return
     try:
@@ -143,6 +155,8 @@ def input_lines(stdin: TextIO, history: str | None) -> Iterator[str]:
             except EOFError:
                 print(file=sys.stderr)
                 return
+            except UnicodeDecodeError:
+                yield None
     finally:
         if readline is not None and history:
             try:
@@ -172,8 +186,21 @@ class Chat:
     def note(self, text: str) -> None:
         print(text, file=self.err, flush=True)
 
-    def handle(self, line: str) -> bool:
-        """Act on one input line; False means quit."""
+    def handle(self, line: str | None) -> bool:
+        """Act on one input line; False means quit. An error is reported and the conversation kept as it was
+        before the line (a failed /edit keeps the exchange it would have replaced)."""
+        if line is None:
+            self.note("error: that line is not valid UTF-8 text; ignored (the conversation is unchanged)")
+            return True
+        before = list(self.conversation.messages)
+        try:
+            return self._handle(line)
+        except KVLabError as exc:
+            self.conversation.messages[:] = before
+            self.note(f"error: {exc} (the conversation is unchanged)")
+            return True
+
+    def _handle(self, line: str) -> bool:
         if not line.strip():
             return True
         if not line.startswith("/"):
@@ -189,10 +216,12 @@ class Chat:
         elif command == "/edit":
             if not rest:
                 self.note("usage: /edit TEXT")
-            elif self.conversation.edit_last_user(rest):
-                self.reply()
             else:
-                self.note("(nothing to edit yet)")
+                before = list(self.conversation.messages)
+                if not self.conversation.edit_last_user(rest):
+                    self.note("(nothing to edit yet)")
+                elif not self.reply():
+                    self.conversation.messages[:] = before  # the edit did not fit: keep the old exchange
         elif command == "/undo":
             dropped = self.conversation.undo()
             self.note(f"(dropped: {dropped[0]['content']!r})" if dropped else "(nothing to undo)")
@@ -249,10 +278,11 @@ class Chat:
             ids = self.conversation.render(self.tokenizer)
         return ids
 
-    def reply(self) -> None:
+    def reply(self) -> bool:
+        """Answer the conversation; False (and the message dropped) when it does not fit the context."""
         ids = self._fit()
         if ids is None:
-            return
+            return False
         a = self.args
         turn = self.session.feed(ids)
         room = self.model.config.max_position_embeddings - len(ids)
@@ -279,12 +309,14 @@ class Chat:
         self.note(f"[reused {turn.reused} · computed {turn.computed} · cache {report.num_tokens} tok "
                   f"{human_bytes(report.payload_bytes)} · prefill {turn.seconds * 1e3:.1f} ms · "
                   f"decode {speed}]")
+        return True
 
 
 def run(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
-        raise SystemExit("kvlab chat: error: --max-tokens must be >= 1")
-    SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)  # fail before chatting
+        raise InputError("--max-tokens must be >= 1")
+    # fail before chatting; -1 (random) becomes None, so reply i's seed + i stays random
+    args.seed = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed).seed
     model, tokenizer, name = load_model(args)
     chat = Chat(model, tokenizer, args)
     if sys.stdin.isatty():

@@ -12,7 +12,9 @@ import numpy as np
 from rich.table import Table
 
 from kvlab.cache.memory import kv_bytes_per_token
+from kvlab import validate
 from kvlab.cli.fmt import console, human_bytes
+from kvlab.errors import InputError
 from kvlab.model.llama import TinyLlama
 from kvlab.tokenizer import ByteTokenizer
 from kvlab.verify import verify_model
@@ -32,13 +34,13 @@ def _span(n: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.steps < 1:
-        raise SystemExit("kvlab demo: error: --steps must be >= 1")
     if not args.prompt:
-        raise SystemExit("kvlab demo: error: the prompt is empty; give at least one character")
-    con = console()
-    model, tok = TinyLlama(seed=args.seed), ByteTokenizer()
+        raise InputError("the prompt is empty; give at least one character")
+    model, tok = TinyLlama(seed=validate.seed(args.seed, "--seed", allow_random=False)), ByteTokenizer()
     prompt = tok.encode(args.prompt)
+    room = model.config.max_position_embeddings - len(prompt) + 1
+    validate.int_in_range(args.steps, "--steps", 1, max(room, 1))
+    con = console()
     config = model.config
     con.print(f"[bold]TinyLlama(seed={args.seed})[/]: {config.num_hidden_layers} layers, hidden "
               f"{config.hidden_size}, {config.num_attention_heads} query heads, {config.num_key_value_heads} KV "
@@ -94,9 +96,10 @@ def run(args: argparse.Namespace) -> int:
 
     results = verify_model(model)
     worst = max(r.max_abs_error for r in results)
+    bound = min(r.tolerance for r in results)
     if all(r.passed for r in results):
         con.print(f"verify: [green]PASS[/] - cached logits equal a full recompute in {len(results)} schedules "
-                  f"(max abs error {worst:.1e} <= {results[0].tolerance:.0e}). Details: kvlab verify")
+                  f"(max abs error {worst:.1e} <= {bound:.1e}). Details: kvlab verify")
         return 0
     con.print(f"verify: [red]FAIL[/] - max abs error {worst:.1e}. Details: kvlab verify")
     return 1

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import re
+import sys
 
 from rich.console import Console
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+from kvlab.validate import decode_text, parse_size
 
 
 def human_bytes(n: float) -> str:
@@ -20,11 +19,14 @@ def human_bytes(n: float) -> str:
 
 
 def parse_bytes(text: str) -> int:
-    """'80GiB', '8 GB', '1e9', '524288' -> bytes. Raises ValueError naming the text."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a byte count (try 8GiB, 512MB or 1000000)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    """'80GiB', '8 GB', '1e9', '524288' -> bytes (kvlab.validate.parse_size; InputError names the text)."""
+    return parse_size(text, "byte count")
+
+
+def read_stdin() -> str:
+    """All of stdin as UTF-8 text; binary or non-UTF-8 input is an InputError naming the offset."""
+    buffer = getattr(sys.stdin, "buffer", None)
+    return decode_text(buffer.read(), "stdin") if buffer is not None else sys.stdin.read()
 
 
 def console(stderr: bool = False) -> Console:

@@ -9,8 +9,10 @@ from pathlib import Path
 from rich.table import Table
 
 from kvlab.cache.memory import DTYPE_BYTES, canonical_dtype, kv_bytes_per_token, tokens_in_budget
-from kvlab.cli.fmt import console, human_bytes, parse_bytes
+from kvlab.cli.fmt import console, human_bytes
 from kvlab.config import ModelConfig, tiny_config
+from kvlab.errors import ConfigError, InputError
+from kvlab.validate import int_in_range, parse_size, read_json_object
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -31,7 +33,7 @@ def _default_dtype(path: str | None) -> str:
     if path is None:
         return "float64"
     file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
-    raw = json.loads(file.read_text())
+    raw = read_json_object(file, "config file", error=ConfigError)
     return str(raw.get("dtype") or raw.get("torch_dtype") or "float16")
 
 
@@ -39,11 +41,12 @@ def run(args: argparse.Namespace) -> int:
     config = ModelConfig.from_file(args.config) if args.config else tiny_config()
     try:
         dtype = canonical_dtype(args.dtype or _default_dtype(args.config))
-        budget = parse_bytes(args.budget) if args.budget is not None else None
     except ValueError as exc:
-        raise SystemExit(f"kvlab memory: error: {exc}") from None
-    if args.batch < 1 or (args.tokens is not None and args.tokens < 0):
-        raise SystemExit("kvlab memory: error: --batch must be >= 1 and --tokens >= 0")
+        raise InputError(str(exc)) from None
+    budget = parse_size(args.budget, "--budget") if args.budget is not None else None
+    int_in_range(args.batch, "--batch", 1, 2**40)
+    if args.tokens is not None:
+        int_in_range(args.tokens, "--tokens", 0, 2**40)
     tokens = config.max_position_embeddings if args.tokens is None else args.tokens
     per_token = kv_bytes_per_token(config, dtype)
     total = per_token * tokens * args.batch

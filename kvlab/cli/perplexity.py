@@ -6,6 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
+from kvlab import validate
 from kvlab.errors import InputError
 from kvlab.perplexity import perplexity
 
@@ -28,15 +29,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import kvlab
 
+    for flag in ("context", "stride", "max_tokens", "chunk"):
+        validate.optional_int(getattr(args, flag), f"--{flag.replace('_', '-')}", 1)
     model, tokenizer = kvlab.load(args.model, dtype=args.dtype)
     folder = Path(args.model) if args.model else kvlab.hf.DEFAULT_MODEL_DIR
     text_path = Path(args.text) if args.text else folder / "validation.txt"
-    if not text_path.is_file():
+    if not args.text and not text_path.is_file():
         raise InputError(f"{text_path}: no such text file (give --text)")
-    text = text_path.read_text(encoding="utf-8")
+    text = validate.read_text(text_path, "text file")
     ids = tokenizer.encode(text, add_bos=False)
     if args.max_tokens:
         ids = ids[: args.max_tokens]
+    if tokenizer.bos_token_id is None:
+        raise InputError("this tokenizer has no <bos> token, which perplexity windows start with")
     start = time.perf_counter()
     result = perplexity(model, ids, tokenizer.bos_token_id, args.context, args.stride,
                         kv_dtype=args.kv_cache_dtype, chunk=args.chunk)

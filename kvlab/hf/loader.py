@@ -148,7 +148,10 @@ def load_model(path: str | Path | None = None, dtype: Any = "float32", progress:
                ) -> LlamaModel:
     """The model of an HF folder (None: the default model), computing in float32 (or float64)."""
     folder = resolve_model_dir(path)
-    dtype = np.dtype(dtype)
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        raise ConfigError(f"compute dtype must be float32 or float64, got {dtype!r}") from None
     if dtype not in (np.float32, np.float64):
         raise ConfigError(f"compute dtype must be float32 or float64, got {dtype}")
     config = load_config(folder)
