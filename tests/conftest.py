@@ -9,3 +9,13 @@ settings.register_profile("ci", derandomize=True, deadline=None, max_examples=60
 settings.register_profile("dev", deadline=None, max_examples=40,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The adversarial suites' tally: bad inputs tried and handled cleanly (tests/adversarial.py)."""
+    import sys
+
+    tally = getattr(sys.modules.get("adversarial"), "TALLY", None)
+    if tally and tally["tried"]:
+        terminalreporter.write_line(f"adversarial inputs: {tally['tried']} tried, {tally['clean']} handled "
+                                    "cleanly (one KVLabError / one stderr line, state unchanged)")

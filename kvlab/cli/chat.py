@@ -170,8 +170,10 @@ class Chat:
     """One conversation: its messages, its session, and how replies are produced and reported."""
 
     def __init__(self, model: LlamaModel, tokenizer: Any, args: argparse.Namespace,
-                 out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> None:
-        self.model, self.tokenizer, self.args, self.out, self.err = model, tokenizer, args, out, err
+                 out: TextIO | None = None, err: TextIO | None = None) -> None:
+        # sys.stdout/stderr are looked up now, not when the module was imported (they may be redirected)
+        self.out, self.err = out or sys.stdout, err or sys.stderr
+        self.model, self.tokenizer, self.args = model, tokenizer, args
         self.session = Session(model, kv_dtype=args.kv_dtype)
         self.conversation = self._fresh()
         self.stop = stop_ids(model, tokenizer)

@@ -14,7 +14,7 @@ from rich.table import Table
 from kvlab.cache.memory import kv_bytes_per_token
 from kvlab import validate
 from kvlab.cli.fmt import console, human_bytes
-from kvlab.errors import InputError
+from kvlab.errors import ContextLengthError, InputError
 from kvlab.model.llama import TinyLlama
 from kvlab.tokenizer import ByteTokenizer
 from kvlab.verify import verify_model
@@ -38,8 +38,10 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("the prompt is empty; give at least one character")
     model, tok = TinyLlama(seed=validate.seed(args.seed, "--seed", allow_random=False)), ByteTokenizer()
     prompt = tok.encode(args.prompt)
-    room = model.config.max_position_embeddings - len(prompt) + 1
-    validate.int_in_range(args.steps, "--steps", 1, max(room, 1))
+    context = model.config.max_position_embeddings
+    if len(prompt) > context:
+        raise ContextLengthError(f"the prompt is {len(prompt)} byte tokens; the tiny model's context is {context}")
+    validate.int_in_range(args.steps, "--steps", 1, context - len(prompt) + 1)
     con = console()
     config = model.config
     con.print(f"[bold]TinyLlama(seed={args.seed})[/]: {config.num_hidden_layers} layers, hidden "

@@ -49,7 +49,7 @@ def read_json(path: Path, required: bool = True) -> dict[str, Any] | None:
     """A JSON object from `path`; None if it is absent and not required (a folder or a loop is refused)."""
     if not required and not path.exists() and not path.is_symlink():
         return None
-    return validate.read_json_object(path, "file", error=CheckpointError)
+    return validate.read_json_object(path, path.name, error=CheckpointError)
 
 
 def load_config(folder: Path) -> ModelConfig:

@@ -12,6 +12,7 @@ from typing import Mapping
 
 import numpy as np
 
+from kvlab import validate
 from kvlab.config import ModelConfig
 from kvlab.errors import CheckpointError
 
@@ -104,7 +105,7 @@ def random_weights(config: ModelConfig, seed: int = 0, dtype: object = np.float6
 
     Scaled so attention is far from uniform, which lets the verifier catch wrong masks and positions.
     """
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(validate.seed(seed, allow_random=False))
     weights = {}
     for name, shape in expected_shapes(config).items():
         if name.endswith("norm.weight"):
