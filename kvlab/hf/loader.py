@@ -183,7 +183,7 @@ def chat_template_source(folder: Path, tokenizer_config: Mapping[str, Any]) -> t
     """The template text and where it came from: chat_template.jinja overrides tokenizer_config.json."""
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():
-        return jinja.read_text(encoding="utf-8"), str(jinja)
+        return validate.read_text(jinja, jinja.name, error=CheckpointError), str(jinja)
     source = str(folder / "tokenizer_config.json")
     template = tokenizer_config.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
