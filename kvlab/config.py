@@ -82,6 +82,8 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
         """Build from a transformers config.json body (4.x and 5.x spellings)."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         archs = raw.get("architectures") or []
         if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
             raise ConfigError(f"{source}: architectures must be a list of names, got {archs!r}")
@@ -142,7 +144,7 @@ class ModelConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
         """Read a config.json, or the config.json inside a model folder."""
-        path = Path(path)
+        path = validate.existing_path(path, "config file or model folder", kind="any", error=ConfigError)
         if path.is_dir():
             path = path / "config.json"
         raw = validate.read_json_object(path, "config file", error=ConfigError)

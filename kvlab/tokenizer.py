@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
+from kvlab import validate
 from kvlab.errors import InputError
 
 
@@ -65,12 +66,13 @@ class ByteTokenizer:
     eos_token_ids = (257,)
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        ids = list(text.encode("utf-8"))
+        ids = list(validate.text(text).encode("utf-8"))
         return [self.bos_token_id, *ids] if add_bos else ids
 
     def decode(self, ids: Iterable[int]) -> str:
         """Bytes back to text; special tokens are dropped and broken UTF-8 is replaced, never raised."""
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+        ids = validate.token_ids(ids, "ids", self.vocab_size, allow_single=False)
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                             add_generation_prompt: bool = True) -> str | None:
@@ -124,8 +126,7 @@ class HFTokenizer:
         False: no special tokens at all (for text rendered by a chat template, which brings its own).
         `add_special_tokens=False` is accepted as the transformers spelling of add_bos=False.
         """
-        if not isinstance(text, str):
-            raise InputError(f"text must be a str, got {type(text).__name__}")
+        validate.text(text)
         if add_special_tokens is not None and add_bos is None:
             add_bos = None if add_special_tokens else False
         if add_bos is None and self.add_bos_token is None:
@@ -140,7 +141,8 @@ class HFTokenizer:
         return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        ids = validate.token_ids(ids, "ids", allow_single=False)  # ids past the vocabulary decode to ""
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                             add_generation_prompt: bool = True, **variables: Any) -> str | None:

@@ -125,6 +125,31 @@ def token_ids(value: Any, name: str, vocab_size: int | None = None, *, allow_sin
     return ids
 
 
+def text(value: Any, name: str = "text") -> str:
+    """A str that is valid Unicode text (lone surrogates, e.g. undecodable bytes smuggled in from argv or
+    a file read with errors="surrogateescape", cannot be encoded and are refused)."""
+    if not isinstance(value, str):
+        raise InputError(f"{name} must be a str, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputError(f"{name} is not valid Unicode text ({exc.reason} at position {exc.start})") from None
+    return value
+
+
+def compute_dtype(value: Any, error: type[KVLabError] = InputError) -> Any:
+    """The NumPy dtype a model computes in: float32 or float64 (names, NumPy dtypes or types)."""
+    import numpy as np
+
+    try:
+        dtype = np.dtype(value)
+    except TypeError:
+        raise error(f"compute dtype must be float32 or float64, got {value!r}") from None
+    if dtype not in (np.float32, np.float64):
+        raise error(f"compute dtype must be float32 or float64, got {dtype}")
+    return dtype
+
+
 # --- byte sizes -----------------------------------------------------------------------------------------
 _SIZE_UNITS = {"": 1, "b": 1,
                "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -152,27 +177,33 @@ def parse_size(text: Any, name: str = "size") -> int:
 
 
 # --- paths and files ------------------------------------------------------------------------------------
-def existing_path(path: Any, name: str, *, kind: str = "file", error: type[KVLabError] = InputError) -> Path:
-    """A path that exists and is a file (kind="file") or a folder (kind="dir"), symlinks resolved.
-
-    Refuses, naming the path: non-path values, NUL bytes, missing paths, symlink loops, a folder where a
-    file is expected and the reverse.
-    """
+def path_text(path: Any, name: str, error: type[KVLabError] = InputError) -> str:
+    """A path as text: a str or os.PathLike, not empty, without NUL bytes, valid UTF-8."""
     if not isinstance(path, (str, os.PathLike)) or isinstance(path, bytes):
         raise error(f"{name} must be a path, got {type(path).__name__} {path!r}")
     text = os.fspath(path)
-    if not text or "\0" in text:
+    if not isinstance(text, str) or not text or "\0" in text:
         raise error(f"{name} {text!r} is not a valid path")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise error(f"{name} {text!r} is not valid UTF-8") from None
-    result = Path(text).expanduser()
+    return text
+
+
+def existing_path(path: Any, name: str, *, kind: str = "file", error: type[KVLabError] = InputError) -> Path:
+    """A path that exists and is a file (kind="file"), a folder (kind="dir") or either (kind="any").
+
+    Refuses, naming the path: non-path values, NUL bytes, missing paths, symlink loops, a folder where a
+    file is expected and the reverse.
+    """
+    result = Path(path_text(path, name, error)).expanduser()
     try:
         result.resolve(strict=True)
         is_dir = result.is_dir()
     except FileNotFoundError:
-        raise error(f"{result}: {name} not found") from None
+        what = {"file": "file", "dir": "folder"}.get(kind, "path")
+        raise error(f"{result}: {what} not found" + ("" if name == result.name else f" (the {name})")) from None
     except RuntimeError:  # Python 3.11 reports symlink loops this way
         raise error(f"{result}: symlink loop") from None
     except OSError as exc:

@@ -18,7 +18,8 @@ import kvlab
 from adversarial import TALLY, cache_state, refuses, tree_state
 from kvlab import validate
 from kvlab.engine.sampling import SamplingParams
-from kvlab.errors import ContextLengthError, InputError
+from kvlab.errors import InputError
+from kvlab.model.weights import random_weights
 from kvlab.perplexity import perplexity
 from kvlab.verify import verify_model
 
@@ -311,6 +312,40 @@ def test_parse_size_refuses_what_is_not_a_byte_count(text):
                                        (" 1000000 ", 10**6), (4096, 4096), ("2k", 2000), ("1TiB", 2**40)])
 def test_parse_size_reads_binary_and_decimal_units(text, want):
     assert validate.parse_size(text) == want
+
+
+TOKENIZER = kvlab.ByteTokenizer()
+
+
+@pytest.mark.parametrize("label,call", [
+    ("encode an int", lambda: TOKENIZER.encode(5)),
+    ("encode bytes", lambda: TOKENIZER.encode(b"abc")),
+    ("encode a lone surrogate", lambda: TOKENIZER.encode("a\udcff")),
+    ("decode -1", lambda: TOKENIZER.decode([-1])),
+    ("decode past the vocabulary", lambda: TOKENIZER.decode([VOCAB])),
+    ("decode a str", lambda: TOKENIZER.decode("ab")),
+    ("decode floats", lambda: TOKENIZER.decode([1.5])),
+    ("model dtype name", lambda: kvlab.LlamaModel(kvlab.tiny_config(), dtype="foo")),
+    ("model dtype float16", lambda: kvlab.LlamaModel(kvlab.tiny_config(), dtype="float16")),
+    ("model config a dict", lambda: kvlab.LlamaModel({"vocab_size": 5})),
+    ("weights of strings", lambda: kvlab.LlamaModel(kvlab.tiny_config(), weights={
+        k: v.astype(str) for k, v in random_weights(kvlab.tiny_config()).items()})),
+    ("weights of ints", lambda: kvlab.LlamaModel(kvlab.tiny_config(), weights={
+        k: v.astype(np.int32) for k, v in random_weights(kvlab.tiny_config()).items()})),
+    ("TinyLlama seed -1", lambda: kvlab.TinyLlama(seed=-1)),
+    ("TinyLlama seed 1.5", lambda: kvlab.TinyLlama(seed=1.5)),
+    ("forward logits_to_keep=True", lambda: MODEL.forward([[1]], logits_to_keep=True)),
+    ("session load None", lambda: kvlab.Session.load(None, MODEL)),
+    ("session save None", lambda: kvlab.Session(MODEL).save(None)),
+    ("config from a list", lambda: kvlab.ModelConfig.from_hf_dict([1])),
+    ("config file None", lambda: kvlab.ModelConfig.from_file(None)),
+    ("config file missing", lambda: kvlab.ModelConfig.from_file("/no/such/config.json")),
+    ("kv bytes of int3", lambda: kvlab.kv_bytes_per_token(kvlab.tiny_config(), "int3")),
+    ("load a number", lambda: kvlab.load(5)),
+    ("load dtype foo", lambda: kvlab.load(None, dtype="foo")),
+])
+def test_odd_argument_types(label, call):
+    refuses(call)
 
 
 def test_the_tally_counts_every_refusal():

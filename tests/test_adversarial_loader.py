@@ -151,7 +151,8 @@ def test_truncated_weights(copy, cut):
 def test_non_finite_weights_are_refused_with_the_tensor_named(copy, dtype, value):
     from kvlab.hf.safetensors import load_file
 
-    weights = {name: np.array(array, dtype=dtype) for name, array in load_file(copy / "model.safetensors").items()}
+    weights = {name: np.array(array, dtype=dtype)
+               for name, array in load_file(copy / "model.safetensors").items()}
     weights["model.layers.1.self_attn.k_proj.weight"][2, 3] = value
     save_file(weights, copy / "model.safetensors")
     message = refuses_folder(copy, "model.layers.1.self_attn.k_proj.weight")
@@ -162,7 +163,8 @@ def test_float16_weights_whose_sum_overflows_still_load(copy):
     """The finiteness check sums each tensor first: an overflowing sum of finite halves is not a NaN."""
     from kvlab.hf.safetensors import load_file
 
-    weights = {name: np.array(array, dtype=np.float16) for name, array in load_file(copy / "model.safetensors").items()}
+    weights = {name: np.array(array, dtype=np.float16)
+               for name, array in load_file(copy / "model.safetensors").items()}
     weights["model.embed_tokens.weight"][:] = 60000.0  # finite in float16; the sum is not
     save_file(weights, copy / "model.safetensors")
     model, _ = kvlab.load(copy)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from kvlab.config import ModelConfig
+from kvlab.errors import InputError
 
 # Bytes per stored scalar. fp8/int8/int4 count the payload only: their per-group scales are extra.
 DTYPE_BYTES: dict[str, float] = {
@@ -23,7 +24,7 @@ DTYPE_ALIASES = {"fp64": "float64", "fp32": "float32", "fp16": "float16", "half"
 def canonical_dtype(name: str) -> str:
     key = DTYPE_ALIASES.get(str(name).lower(), str(name).lower())
     if key not in DTYPE_BYTES:
-        raise ValueError(f"unknown cache dtype {name!r}; choose from {', '.join(DTYPE_BYTES)}")
+        raise InputError(f"unknown cache dtype {name!r}; choose from {', '.join(DTYPE_BYTES)}")
     return key
 
 

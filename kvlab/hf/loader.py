@@ -9,7 +9,6 @@ bad folder raises a CheckpointError or ConfigError naming the file and never yie
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -148,12 +147,7 @@ def load_model(path: str | Path | None = None, dtype: Any = "float32", progress:
                ) -> LlamaModel:
     """The model of an HF folder (None: the default model), computing in float32 (or float64)."""
     folder = resolve_model_dir(path)
-    try:
-        dtype = np.dtype(dtype)
-    except TypeError:
-        raise ConfigError(f"compute dtype must be float32 or float64, got {dtype!r}") from None
-    if dtype not in (np.float32, np.float64):
-        raise ConfigError(f"compute dtype must be float32 or float64, got {dtype}")
+    dtype = validate.compute_dtype(dtype, error=ConfigError)
     config = load_config(folder)
     headers, _, source = weight_headers(folder)
     check_headers(config, headers, source)

@@ -20,6 +20,7 @@ from kvlab.cache.base import CacheSpec
 from kvlab.cache.contiguous import MIN_CAPACITY
 from kvlab.cache.kv_cache import KVCache
 from kvlab.config import ModelConfig, tiny_config
+from kvlab import validate
 from kvlab.errors import ContextLengthError, InputError
 from kvlab.model.layers import attend, attention_mask, rms_norm, rope_inv_freq, rotate_halves, swiglu
 from kvlab.model.weights import check_weights, fingerprint, random_weights
@@ -74,9 +75,9 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray] | None = None,
                  dtype: object = np.float32, seed: int = 0, source: str = "weights") -> None:
         self.config = config
-        self.dtype = np.dtype(dtype)
-        if self.dtype not in (np.float32, np.float64):
-            raise InputError(f"compute dtype must be float32 or float64, got {self.dtype}")
+        if not isinstance(config, ModelConfig):
+            raise InputError(f"config must be a ModelConfig, got {type(config).__name__}")
+        self.dtype = validate.compute_dtype(dtype)
         self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, self.dtype)
         self._cos = self._sin = np.zeros((0, config.head_dim), dtype=self.dtype)
         self.fast_decode = True  # one-token steps take _decode_blocks (False: the general path, to compare)
@@ -187,7 +188,8 @@ class LlamaModel:
             raise ContextLengthError(
                 f"positions {start}..{end - 1} exceed the model's context of "
                 f"{config.max_position_embeddings} tokens (max_position_embeddings)")
-        if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+        if not isinstance(logits_to_keep, int) or isinstance(logits_to_keep, bool) \
+                or logits_to_keep < 0:
             raise InputError(f"logits_to_keep must be a non-negative int, got {logits_to_keep!r}")
         if cache is None and use_cache:
             cache = self.new_cache(batch, capacity=max(end, MIN_CAPACITY))

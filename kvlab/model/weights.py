@@ -74,6 +74,9 @@ def check_weights(config: ModelConfig, weights: Mapping[str, np.ndarray], source
         if tuple(array.shape) != want:
             raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(array.shape)} but the config "
                                   f"implies {want}")
+        if getattr(array, "dtype", None) is None or array.dtype.kind not in "fV":  # V: bfloat16
+            raise CheckpointError(f"{source}: tensor {name!r} must be a float array, got "
+                                  f"{getattr(array, 'dtype', type(array).__name__)}")
         bad = first_non_finite(array)
         if bad is not None:
             raise CheckpointError(f"{source}: tensor {name!r} holds {bad[1]} at index {bad[0]}: weights must "

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 import safetensors.numpy
 
+from kvlab import validate
 from kvlab.cache.kv_cache import KVCache, resolve_kv_dtype
 from kvlab.errors import CacheMismatchError, CheckpointError, InputError
 from kvlab.hf.safetensors import SafetensorsHeader, parse_header, tensors_from_buffer
@@ -66,7 +67,7 @@ def _sha256_zeroed(blob: bytes | bytearray, span: tuple[int, int]) -> str:
 def write_session_file(path: str | Path, cache: KVCache, tokens: Sequence[int],
                        extra: dict[str, Any]) -> None:
     """Write `cache` (batch 1, one row per token of `tokens`) and `extra` (JSON-able) to `path` atomically."""
-    path = Path(path)
+    path = Path(validate.path_text(path, "session file"))
     length = cache.get_seq_length()
     if cache.batch_size != 1 or len(tokens) != length:
         raise InputError(f"a session file holds one sequence with one row per token; got batch "
@@ -155,7 +156,7 @@ def read_session_file(path: str | Path, model: LlamaModel, kv_dtype: object = No
     CheckpointError / CacheMismatchError, and nothing loaded, if it is damaged, from another model or
     compute dtype, or (when `kv_dtype` is given) holds another cache dtype.
     """
-    path = Path(path)
+    path = Path(validate.path_text(path, "session file"))
     blob, header = _read_verified(path)
     try:
         meta = json.loads(header.metadata["kvlab"])
