@@ -14,8 +14,8 @@ import sys
 import time
 from typing import Any, Iterator, TextIO
 
+from kvlab.cli.checks import check_sampling_flags
 from kvlab.cli.fmt import human_bytes
-from kvlab.engine.sampling import SamplingParams
 from kvlab.errors import InputError, KVLabError
 from kvlab.model.llama import LlamaModel, TinyLlama
 from kvlab.prefix.conversation import Conversation
@@ -318,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise InputError("--max-tokens must be >= 1")
     # fail before chatting; -1 (random) becomes None, so reply i's seed + i stays random
-    args.seed = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed).seed
+    args.seed = check_sampling_flags(args).seed
     model, tokenizer, name = load_model(args)
     chat = Chat(model, tokenizer, args)
     if sys.stdin.isatty():

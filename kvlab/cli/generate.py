@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TextIO
 
 from kvlab.cache.kv_cache import KVCache
+from kvlab.cli.checks import check_sampling_flags
 from kvlab.cli.fmt import human_bytes, read_stdin
 from kvlab.engine.generate import stream_generate
-from kvlab.engine.sampling import SamplingParams
 from kvlab.errors import ContextLengthError, InputError
 from kvlab.model.llama import LlamaModel
 from kvlab.prefix.prompt_cache import generate_with_prompt_cache
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     text = args.prompt if args.prompt is not None else read_stdin()
     if args.max_tokens == 0 or args.max_tokens < -1:
         raise InputError(f"--max-tokens must be >= 1, or -1 for no limit (got {args.max_tokens})")
-    SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)  # fail before loading
+    check_sampling_flags(args)  # fail before loading
     model, tokenizer = load(args.model, dtype=args.dtype)
     prompt = encode_prompt(tokenizer, text, args.chat)
     stop = [] if args.ignore_eos else stop_token_ids(model, tokenizer)
