@@ -29,11 +29,9 @@ MAX_SEED = 2**64 - 1
 
 def is_int(value: Any) -> bool:
     """An int or NumPy integer, not a bool (duck-typed so this module needs no NumPy import)."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
-        return False
     if isinstance(value, int):
-        return True
-    return hasattr(value, "dtype") and getattr(value.dtype, "kind", "") in "iu" and getattr(value, "ndim", 1) == 0
+        return not isinstance(value, bool)
+    return getattr(getattr(value, "dtype", None), "kind", "") in ("i", "u") and getattr(value, "ndim", 1) == 0
 
 
 def is_real(value: Any) -> bool:
@@ -42,7 +40,7 @@ def is_real(value: Any) -> bool:
         return True
     if isinstance(value, float):
         return True
-    return hasattr(value, "dtype") and getattr(value.dtype, "kind", "") == "f" and getattr(value, "ndim", 1) == 0
+    return getattr(getattr(value, "dtype", None), "kind", "") == "f" and getattr(value, "ndim", 1) == 0
 
 
 def finite_float(value: Any, name: str, *, low: float | None = None, high: float | None = None,
@@ -111,11 +109,14 @@ def token_ids(value: Any, name: str, vocab_size: int | None = None, *, allow_sin
         value = [value]
     if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable) or is_real(value):
         raise InputError(f"{name} must be a list of token ids (ints), got {type(value).__name__} {value!r}")
-    ids = []
-    for i, item in enumerate(value):
-        if not is_int(item):
-            raise InputError(f"{name}[{i}] must be an int token id, got {type(item).__name__} {item!r}")
-        ids.append(int(item))
+    if getattr(value, "ndim", None) == 1 and getattr(value.dtype, "kind", "") in ("i", "u"):
+        ids = value.tolist()  # a NumPy int array: its items need no type check
+    else:
+        ids = []
+        for i, item in enumerate(value):
+            if not is_int(item):
+                raise InputError(f"{name}[{i}] must be an int token id, got {type(item).__name__} {item!r}")
+            ids.append(int(item))
     if not ids and not allow_empty:
         raise InputError(f"{name} is empty")
     for i, token in enumerate(ids):
