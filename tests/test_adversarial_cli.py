@@ -162,6 +162,15 @@ def test_bad_stdin_lines_in_chat_keep_the_conversation(capsys, monkeypatch):
     TALLY["clean"] += 3
 
 
+def test_a_huge_line_in_chat_is_refused_and_the_chat_goes_on(capsys, monkeypatch):
+    TALLY["tried"] += 1
+    script = b"hello\n" + b"to be or not " * 50_000 + b"\nthere\n"
+    code, out, err = run_cli(["chat", "--tiny", "-n", "3", "--temperature", "0"], capsys, monkeypatch, script)
+    assert code == 0 and "Traceback" not in err
+    assert "does not fit" in err and err.count("[reused") == 2
+    TALLY["clean"] += 1
+
+
 def test_empty_stdin_is_not_an_error(capsys, monkeypatch):
     code, _, err = run_cli(["chat", "--tiny", "-n", "2"], capsys, monkeypatch, b"")
     assert code == 0 and err == ""
