@@ -203,7 +203,7 @@ def existing_path(path: Any, name: str, *, kind: str = "file", error: type[KVLab
         result.resolve(strict=True)
         is_dir = result.is_dir()
     except FileNotFoundError:
-        what = {"file": "file", "dir": "folder"}.get(kind, "path")
+        what = "folder" if kind == "dir" else "file"
         raise error(f"{result}: {what} not found" + ("" if name == result.name else f" (the {name})")) from None
     except RuntimeError:  # Python 3.11 reports symlink loops this way
         raise error(f"{result}: symlink loop") from None
