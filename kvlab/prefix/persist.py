@@ -68,6 +68,7 @@ def write_session_file(path: str | Path, cache: KVCache, tokens: Sequence[int],
                        extra: dict[str, Any]) -> None:
     """Write `cache` (batch 1, one row per token of `tokens`) and `extra` (JSON-able) to `path` atomically."""
     path = Path(validate.path_text(path, "session file"))
+    extra = validate.json_dict(extra, "session extra")  # what cannot load back is never saved
     length = cache.get_seq_length()
     if cache.batch_size != 1 or len(tokens) != length:
         raise InputError(f"a session file holds one sequence with one row per token; got batch "
@@ -78,10 +79,7 @@ def write_session_file(path: str | Path, cache: KVCache, tokens: Sequence[int],
             "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
             "num_tokens": length, "tokens": [int(t) for t in tokens],
             "positions": [int(p) for p in cache.positions], "extra": extra}
-    try:
-        meta_json = json.dumps(meta, sort_keys=True, ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise InputError(f"session extra data must be JSON-serializable ({exc})") from None
+    meta_json = json.dumps(meta, sort_keys=True, ensure_ascii=False, allow_nan=False)
     tensors = {}
     for i, (keys, values) in enumerate(cache):
         tensors[f"layers.{i}.keys"] = np.ascontiguousarray(keys)

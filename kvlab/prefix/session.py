@@ -174,7 +174,7 @@ class Session:
         `extra` must be a dict that survives a JSON round trip unchanged; anything else is refused before the
         file is touched, so a session that saves can always be loaded.
         """
-        write_session_file(path, self.cache, self._tokens, validate.json_dict(self.extra, "Session.extra"))
+        write_session_file(path, self.cache, self._tokens, self.extra)
 
     @classmethod
     def load(cls, path: str | Path, model: LlamaModel, kv_dtype: object = None) -> "Session":
