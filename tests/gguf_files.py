@@ -123,12 +123,17 @@ def random_k_blocks(rows: int, cols: int, qtype: str, rng: np.random.Generator) 
 
 def write_gguf(path: Path, config: ModelConfig, *, tokenizer: str = "gpt2", pre: str = "qwen2",
                types: Sequence[str] = ("F32",), seed: int = 0, chat_template: str | None = CHAT_TEMPLATE,
-               extra: Callable[[Any], None] | None = None, name: str = "kvlab test model") -> dict[str, np.ndarray]:
-    """Write a GGUF file for `config`; returns the HF-named float32 weights as *written* (dequantized)."""
+               extra: Callable[[Any], None] | None = None, name: str = "kvlab test model",
+               arch: str | None = None, metadata: ModelConfig | None = None) -> dict[str, np.ndarray]:
+    """Write a GGUF file for `config`; returns the HF-named float32 weights as *written* (dequantized).
+
+    `arch` overrides general.architecture and `metadata` the config the metadata describes (bad files).
+    """
     import gguf
 
-    arch = {"Qwen2ForCausalLM": "qwen2"}.get(config.architecture, "llama")
-    writer = gguf.GGUFWriter(str(path), arch)
+    tensor_arch = {"Qwen2ForCausalLM": "qwen2"}.get(config.architecture, "llama")
+    writer = gguf.GGUFWriter(str(path), arch or tensor_arch)
+    tensors, config = config, metadata or config
     writer.add_name(name)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_block_count(config.num_hidden_layers)
@@ -172,6 +177,7 @@ def write_gguf(path: Path, config: ModelConfig, *, tokenizer: str = "gpt2", pre:
     rng = np.random.default_rng(seed + 1)
     written: dict[str, np.ndarray] = {}
     matrices = 0
+    config, arch = tensors, tensor_arch
     for hf, weight in random_weights(config, seed, np.float32).items():
         weight = weight.astype(np.float32)
         stored = weight
