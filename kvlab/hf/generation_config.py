@@ -20,17 +20,19 @@ GGUF_KEYS = {"temperature": "general.sampling.temp", "top_k": "general.sampling.
 UNSUPPORTED = {"repetition_penalty": "general.sampling.penalty_repeat"}
 
 
-def _checked(key: str, value: Any, source: str) -> Any:
-    """The value as the sampler wants it, or a ConfigError naming the file and key."""
+def _checked(key: str, value: Any, source: str, name: str | None = None) -> Any:
+    """The value of sampling setting `key` as the sampler wants it, or a ConfigError naming the file and
+    the field (`name`, the file's spelling of the key)."""
+    name = name or key
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{source}: {key} must be a number, got {value!r}")
+        raise ConfigError(f"{source}: {name} must be a number, got {value!r}")
     if key == "top_k":
         if value != int(value):
-            raise ConfigError(f"{source}: top_k must be an integer, got {value!r}")
+            raise ConfigError(f"{source}: {name} must be an integer, got {value!r}")
         return max(int(value), 0)  # -1 and 0 both mean off
     ok = {"temperature": value >= 0, "top_p": 0 < value <= 1, "min_p": 0 <= value <= 1}[key]
     if not ok:
-        raise ConfigError(f"{source}: {key} {value!r} is out of range")
+        raise ConfigError(f"{source}: {name} {value!r} is out of range")
     return float(value)
 
 
@@ -49,7 +51,7 @@ def _from_gguf(path: Path) -> ModelSampling | None:
     from kvlab.gguf.reader import read_gguf
 
     metadata = read_gguf(path).metadata
-    values = {k: _checked(gguf_key, metadata[gguf_key], str(path)) for k, gguf_key in GGUF_KEYS.items()
+    values = {k: _checked(k, metadata[gguf_key], str(path), gguf_key) for k, gguf_key in GGUF_KEYS.items()
               if metadata.get(gguf_key) is not None}
     ignored = tuple(k for k, gguf_key in UNSUPPORTED.items() if metadata.get(gguf_key) not in (None, 1, 1.0))
     return ModelSampling(values, f"{path.name} general.sampling", ignored) if values or ignored else None
