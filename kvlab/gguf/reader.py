@@ -14,6 +14,7 @@ starts at the next multiple of `general.alignment` (default 32). Strings are a u
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,17 +95,16 @@ class GGUFFile:
 class _Cursor:
     """Reads little-endian values from the memory map, naming what it was reading when the file ends."""
 
-    def __init__(self, path: Path, data: np.ndarray) -> None:
-        self.path, self.data, self.size, self.offset = path, data, len(data), 0
-        self.buffer = memoryview(data)
+    def __init__(self, path: Path, buffer: mmap.mmap) -> None:
+        self.path, self.buffer, self.size, self.offset = path, buffer, len(buffer), 0
 
-    def take(self, count: int, what: str) -> memoryview:
+    def take(self, count: int, what: str) -> bytes:
         if count < 0 or self.offset + count > self.size:
             raise CheckpointError(f"{self.path}: truncated while reading {what} (needs bytes up to "
                                   f"{self.offset + count}, the file has {self.size})")
-        view = self.buffer[self.offset:self.offset + count]
+        raw = self.buffer[self.offset:self.offset + count]
         self.offset += count
-        return view
+        return raw
 
     def unpack(self, code: str, what: str) -> Any:
         return struct.unpack("<" + code, self.take(struct.calcsize(code), what))[0]
@@ -113,9 +113,29 @@ class _Cursor:
         length = self.unpack("Q", what)
         raw = self.take(length, what)
         try:
-            return bytes(raw).decode("utf-8")
+            return raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise CheckpointError(f"{self.path}: {what} is not valid UTF-8 ({exc})") from None
+
+    def strings(self, count: int, what: str) -> list[str]:
+        """`count` strings in a row (vocabularies: 10^5 of them, so this loop is kept tight)."""
+        out, buffer, offset, size = [], self.buffer, self.offset, self.size
+        unpack = struct.Struct("<Q").unpack_from
+        for i in range(count):
+            if offset + 8 > size:
+                break
+            (length,) = unpack(buffer, offset)
+            if offset + 8 + length > size:
+                break
+            try:
+                out.append(buffer[offset + 8:offset + 8 + length].decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                raise CheckpointError(f"{self.path}: {what}[{i}] is not valid UTF-8 ({exc})") from None
+            offset += 8 + length
+        self.offset = offset
+        if len(out) < count:
+            self.string(f"{what}[{len(out)}]")  # raises the truncation error
+        return out
 
     def value(self, kind: int, what: str) -> Any:
         if kind in SCALARS:
@@ -131,7 +151,7 @@ class _Cursor:
                 raw = self.take(count * dtype.itemsize, what)
                 return np.frombuffer(raw, dtype=dtype).copy()  # small: scores, token types
             if item_kind == STRING:
-                return [self.string(f"{what}[{i}]") for i in range(count)]
+                return self.strings(count, what)
             if item_kind == ARRAY:
                 return [self.value(ARRAY, f"{what}[{i}]") for i in range(count)]
             raise CheckpointError(f"{self.path}: {what} has unknown array item type {item_kind}")
@@ -141,7 +161,7 @@ class _Cursor:
 def read_gguf(path: str | Path) -> GGUFFile:
     """Parse and validate a GGUF file's header and tensor directory; the payload stays memory-mapped."""
     try:
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        import gguf  # noqa: F401  (llama.cpp's package defines the tensor types)
     except ImportError:
         raise CheckpointError(f"{path}: reading GGUF files needs the gguf package "
                               "(pip install 'kvlab[gguf]')") from None
@@ -153,7 +173,17 @@ def read_gguf(path: str | Path) -> GGUFFile:
     if size < 24:
         raise CheckpointError(f"{path}: truncated ({size} bytes): too short for a GGUF header")
     data = np.memmap(path, dtype=np.uint8, mode="r")
-    cursor = _Cursor(path, data)
+    with open(path, "rb") as handle:
+        header = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        return _parse(path, size, data, _Cursor(path, header))
+    finally:
+        header.close()
+
+
+def _parse(path: Path, size: int, data: np.ndarray, cursor: _Cursor) -> GGUFFile:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
     magic = bytes(cursor.take(4, "the magic"))
     if magic != MAGIC:
         raise CheckpointError(f"{path}: not a GGUF file (magic {magic!r}, expected {MAGIC!r})")
