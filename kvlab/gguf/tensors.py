@@ -1,10 +1,10 @@
 """GGUF tensors as Hugging Face weights: names mapped, blocks dequantized, llama.cpp's Q/K row order undone.
 
 Dequantization is llama.cpp's own definition: the `gguf` package's per-type block decoders (what
-`gguf.quants.dequantize` runs), applied to about a million values at a time straight out of the memory
-map into the output array, so the only full-size arrays are the weights themselves. (Calling
-`gguf.quants.dequantize` itself gives the same bits but splits every tensor into 16-row groups, which made
-loading a 135M-parameter Q4_1 file ~3x slower.)
+`gguf.quants.dequantize` runs), applied to 64k values at a time straight out of the memory map into the
+output array, so the only full-size arrays are the weights themselves and the temporaries stay in cache
+(~1.6x faster than `gguf.quants.dequantize`, which splits each tensor into 16-row groups: bench in the
+report, same bits).
 
 Why unpermute: llama.cpp's converter reorders the rows of every Llama q_proj and k_proj head from HF's
 "rotate halves" RoPE layout to ggml's interleaved pairs (`reshape(heads, 2, d/2, in).swapaxes(1, 2)`).
@@ -32,7 +32,7 @@ LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layer
                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                "ffn_down": "mlp.down_proj"}
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-CHUNK_VALUES = 1 << 20  # values dequantized at once: bounds the block decoders' temporaries (a few MiB)
+CHUNK_VALUES = 1 << 16  # values decoded at once: the block decoders' temporaries stay cache-sized
 PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
 
