@@ -268,3 +268,63 @@ def test_rope_scaling_from_metadata(tmp_path):
     write_gguf(path, small_config("llama"), extra=lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.YARN),
                                                              w.add_rope_scaling_factor(4.0)))
     expect(ConfigError, path, "'llama.rope.scaling.type'", "'yarn'")
+
+
+def converter_rope_factors(head_dim: int, theta: float, factor: float, low: float, high: float,
+                           old: int) -> np.ndarray:
+    """What llama.cpp's converter writes as `rope_freqs` for a Llama 3 rope_scaling (its loop, restated)."""
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * np.pi * theta ** (i / head_dim)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+@pytest.mark.parametrize("theta,factor,low,high,old", [(500000.0, 8.0, 1.0, 4.0, 8192),
+                                                      (10000.0, 4.0, 1.0, 8.0, 256)])
+def test_llama3_rope_factors_become_llama3_rope_scaling(tmp_path, theta, factor, low, high, old):
+    config = small_config("llama", rope_theta=theta)
+    factors = converter_rope_factors(config.head_dim, theta, factor, low, high, old)
+    assert 1 < len(set(factors.tolist())) and factors.max() == factor
+    path = tmp_path / "llama3.gguf"
+    written = write_gguf(path, config, extra=lambda w: w.add_tensor("rope_freqs.weight", factors))
+    model, tokenizer = kvlab.load(path)
+    scaling = model.config.rope_scaling
+    assert scaling["rope_type"] == "llama3" and scaling["factor"] == factor
+    assert scaling["original_max_position_embeddings"] / scaling["high_freq_factor"] == pytest.approx(old / high)
+    assert scaling["original_max_position_embeddings"] / scaling["low_freq_factor"] == pytest.approx(old / low)
+    hf_style = model.config.replace(rope_scaling={"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                                                  "high_freq_factor": high, "original_max_position_embeddings": old})
+    reference = LlamaModel(hf_style, weights=written, dtype=np.float32)
+    ids = np.array([tokenizer.encode(TEXT)[:100]])
+    assert np.abs(model.forward(ids).logits - reference.forward(ids).logits).max() < 1e-4
+    plain = LlamaModel(model.config.replace(rope_scaling=None), weights=written, dtype=np.float32)
+    assert np.abs(model.forward(ids).logits - plain.forward(ids).logits).max() > 1e-3  # the factors matter
+
+
+def test_rope_factors_that_are_not_llama3_are_refused(tmp_path):
+    config = small_config("llama")
+    factors = np.linspace(1, 3, config.head_dim // 2).astype(np.float32)[::-1].copy()
+    path = tmp_path / "odd.gguf"
+    write_gguf(path, config, extra=lambda w: w.add_tensor("rope_freqs.weight", factors))
+    expect(ConfigError, path, "'rope_freqs.weight'", "does not follow Llama 3")
+
+
+def test_mistral_stored_as_llama_keeps_its_window(tmp_path):
+    config = small_config("llama")
+    path = tmp_path / "mistral.gguf"
+    written = write_gguf(path, config, name="Mistral 7B Instruct v0.1",
+                         extra=lambda w: w.add_uint32("llama.attention.sliding_window", 8))
+    model, tokenizer = kvlab.load(path)
+    assert model.config.architecture == "MistralForCausalLM" and model.config.sliding_window == 8
+    ids = np.array([tokenizer.encode(TEXT)[:40]])
+    windowed = LlamaModel(model.config, weights=written, dtype=np.float32)
+    assert np.array_equal(model.forward(ids).logits, windowed.forward(ids).logits)
+    full = LlamaModel(model.config.replace(sliding_window=None), weights=written, dtype=np.float32)
+    assert np.abs(model.forward(ids).logits - full.forward(ids).logits).max() > 1e-3

@@ -60,6 +60,54 @@ def _rope_scaling(gguf: GGUFFile, arch: str) -> dict[str, Any] | None:
     raise ConfigError(f"{gguf.path}: metadata '{arch}.rope.scaling.type' {kind!r} is not supported (linear)")
 
 
+LLAMA3_STANDARD = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def llama3_factors(head_dim: int, theta: float, factor: float, low: float, high: float, old: float) -> np.ndarray:
+    """llama.cpp's `rope_freqs` for Llama 3 scaling: each frequency is divided by its factor (1 for short
+    wavelengths, `factor` for long ones, a smooth blend between), as HF's "llama3" rope computes."""
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    smooth = (old / wavelen - low) / (high - low)
+    blended = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, blended))
+
+
+def _llama3_scaling(gguf: GGUFFile, head_dim: int, theta: float) -> dict[str, Any] | None:
+    """HF's llama3 rope_scaling recovered from the `rope_freqs.weight` tensor llama.cpp writes for Llama 3.
+
+    The tensor holds per-frequency factors, not the parameters; they depend only on the ratios of
+    (original context, low, high), so the standard Llama 3 values are tried first, else the ratios are
+    fitted from the blended band. Either way the result must reproduce every factor, or ConfigError.
+    """
+    info = gguf.tensors.get("rope_freqs.weight")
+    if info is None:
+        return None
+    if info.type_name != "F32" or info.shape != (head_dim // 2,):
+        raise ConfigError(f"{gguf.path}: tensor 'rope_freqs.weight' must be F32 of shape ({head_dim // 2},), got "
+                          f"{info.type_name} {info.shape}")
+    factors = gguf.raw(info.name).view("<f4").astype(np.float64)
+    factor = float(factors.max())
+    if np.all(factors == 1.0):
+        return None
+    candidates = [LLAMA3_STANDARD]
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    band = (factors > 1.0 + 1e-6) & (factors < factor - 1e-6)
+    if band.sum() >= 2:  # smooth = old / wavelen / (high - low) - low / (high - low): a line in 1 / wavelen
+        smooth = (1 / factors[band] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(freqs[band] / (2 * np.pi), smooth, 1)
+        low = -intercept
+        candidates.append({"low_freq_factor": low, "high_freq_factor": low + 1.0,
+                           "original_max_position_embeddings": slope})
+    for params in candidates:
+        want = llama3_factors(head_dim, theta, factor, params["low_freq_factor"], params["high_freq_factor"],
+                              params["original_max_position_embeddings"])
+        if np.allclose(want, factors, rtol=1e-5, atol=0):
+            return {"rope_type": "llama3", "factor": factor, **{k: float(v) for k, v in params.items()}}
+    raise ConfigError(f"{gguf.path}: tensor 'rope_freqs.weight' does not follow Llama 3 rope scaling; kvlab "
+                      "cannot compute these per-frequency factors")
+
+
 def config_from_metadata(gguf: GGUFFile) -> ModelConfig:
     """The model's config; ConfigError names the file and the key when something is missing or unsupported."""
     arch, hf_arch = architecture_of(gguf)
@@ -90,6 +138,8 @@ def config_from_metadata(gguf: GGUFFile) -> ModelConfig:
         vocab = embed.shape[0] if embed is not None and len(embed.shape) == 2 else len(tokens or ())
     window = gguf.get(f"{arch}.attention.sliding_window") if hf_arch == "MistralForCausalLM" else None
     eos = gguf.get("tokenizer.ggml.eos_token_id")
+    theta = gguf.number(f"{arch}.rope.freq_base", 10000.0)
+    scaling = _rope_scaling(gguf, arch) or _llama3_scaling(gguf, head_dim, theta)
     try:
         return ModelConfig(
             vocab_size=_uniform(gguf, f"{arch}.vocab_size", vocab),
@@ -100,8 +150,8 @@ def config_from_metadata(gguf: GGUFFile) -> ModelConfig:
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=gguf.number(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
-            rope_theta=gguf.number(f"{arch}.rope.freq_base", 10000.0),
-            rope_scaling=_rope_scaling(gguf, arch),
+            rope_theta=theta,
+            rope_scaling=scaling,
             max_position_embeddings=_uniform(gguf, f"{arch}.context_length",
                                              gguf.get(f"{arch}.context_length", 2048)),
             tie_word_embeddings="output.weight" not in gguf.tensors,

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from kvlab.config import ModelConfig
-from kvlab.errors import CheckpointError, ConfigError
+from kvlab.errors import CheckpointError
 from kvlab.gguf.reader import GGUFFile, TensorInfo
 from kvlab.model.weights import check_weights
 
@@ -53,8 +53,7 @@ def weight_plan(gguf: GGUFFile, config: ModelConfig) -> dict[str, TensorInfo]:
     for name, info in gguf.tensors.items():
         target = hf_name(name)
         if target is None:
-            if name == "rope_freqs.weight":
-                _check_rope_freqs(gguf, info)
+            if name == "rope_freqs.weight":  # Llama 3 RoPE factors: read into the config's rope_scaling
                 continue
             raise CheckpointError(f"{gguf.path}: unexpected tensor {name!r} for a {config.architecture} model")
         if info.type_name not in SUPPORTED_TYPES:
@@ -66,14 +65,6 @@ def weight_plan(gguf: GGUFFile, config: ModelConfig) -> dict[str, TensorInfo]:
     stand_ins = {name: np.broadcast_to(np.float32(0), info.shape) for name, info in plan.items()}
     check_weights(config, stand_ins, source=f"{gguf.path} (tensor names in HF form)")
     return plan
-
-
-def _check_rope_freqs(gguf: GGUFFile, info: TensorInfo) -> None:
-    """Llama 3 files carry per-frequency RoPE factors; all-ones factors change nothing."""
-    factors = dequantize(gguf, info, np.dtype(np.float32))
-    if not np.all(factors == 1.0):
-        raise ConfigError(f"{gguf.path}: tensor 'rope_freqs.weight' holds Llama 3 RoPE frequency factors, "
-                          "which kvlab does not read from GGUF files yet (convert the HF folder instead)")
 
 
 def dequantize(gguf: GGUFFile, info: TensorInfo, dtype: np.dtype) -> np.ndarray:
