@@ -65,35 +65,16 @@ class GGUFFile:
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
 
-    def integer(self, key: str, default: Any = ...) -> int:
-        """An integer metadata value, or a CheckpointError naming the key."""
-        value = self._value(key, default)
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-            raise CheckpointError(f"{self.path}: metadata {key!r} must be an integer, got {value!r}")
-        return int(value)
-
-    def number(self, key: str, default: Any = ...) -> float:
-        value = self._value(key, default)
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+    def number(self, key: str, default: float) -> float:
+        """A numeric metadata value (`default` when absent), or a CheckpointError naming the key."""
+        value = self.metadata.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise CheckpointError(f"{self.path}: metadata {key!r} must be a number, got {value!r}")
         return float(value)
 
-    def string(self, key: str, default: Any = ...) -> str:
-        value = self._value(key, default)
-        if not isinstance(value, str):
-            raise CheckpointError(f"{self.path}: metadata {key!r} must be a string, got {value!r}")
-        return value
-
-    def _value(self, key: str, default: Any) -> Any:
-        if key in self.metadata:
-            return self.metadata[key]
-        if default is ...:
-            raise CheckpointError(f"{self.path}: metadata key {key!r} is missing")
-        return default
-
 
 class _Cursor:
-    """Reads little-endian values from the memory map, naming what it was reading when the file ends."""
+    """Reads little-endian values from the header, naming what it was reading when the file ends."""
 
     def __init__(self, path: Path, buffer: mmap.mmap) -> None:
         self.path, self.buffer, self.size, self.offset = path, buffer, len(buffer), 0
