@@ -20,11 +20,9 @@ from kvlab.gguf.config import config_from_metadata
 from kvlab.gguf.reader import GGUFFile, read_gguf
 from kvlab.gguf.tensors import read_weights, weight_plan
 from kvlab.gguf.tokenizer import tokenizer_from_metadata
+from kvlab.hf.progress import weight_progress
 from kvlab.model.llama import LlamaModel
 from kvlab.tokenizer import HFTokenizer
-
-PROGRESS_MIN_BYTES = 64 * 1024 * 1024  # show a progress bar for files above this
-
 
 def gguf_file(path: str | Path | None) -> Path | None:
     """The .gguf file `path` names (the file itself, or the one .gguf in a folder without config.json);
@@ -74,17 +72,8 @@ def read_checkpoint(path: str | Path, dtype: Any = "float32", progress: bool | N
     if dtype not in (np.float32, np.float64):
         raise ConfigError(f"compute dtype must be float32 or float64, got {dtype}")
     gguf, config, tokenizer, plan = open_gguf(path)
-    total = sum(info.nbytes for info in plan.values())
-    show = total >= PROGRESS_MIN_BYTES if progress is None else progress
-    if not show:
-        weights = read_weights(gguf, config, plan, dtype)
-    else:
-        from rich.console import Console
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-        columns = (TextColumn("loading weights"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
-        with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
-            task = bar.add_task("load", total=total)
-            weights = read_weights(gguf, config, plan, dtype, on_tensor=lambda n: bar.advance(task, n))
+    with weight_progress(sum(info.nbytes for info in plan.values()), progress) as advance:
+        weights = read_weights(gguf, config, plan, dtype, on_tensor=advance)
     return GGUFCheckpoint(gguf.path, config, weights, tokenizer)
 
 
