@@ -118,3 +118,13 @@ def test_convert_writes_a_folder_kvlab_and_transformers_read(model_file, tmp_pat
     failed = kvlab_cli("convert", str(bad), str(tmp_path / "never"))
     assert failed.returncode == 2 and "truncated" in failed.stderr
     assert not (tmp_path / "never").exists() and not list(tmp_path.glob(".never*"))
+
+
+def test_memory_sizes_a_gguf_models_cache_from_its_metadata(model_file):
+    out = kvlab_cli("memory", "--model", str(model_file), "--tokens", "64", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    config = small_config("qwen2")
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
+    assert result["dtype"] == "float16" and result["bytes_per_token"] == per_token  # llama.cpp's f16 default
+    assert result["total_bytes"] == 64 * per_token
