@@ -98,7 +98,8 @@ def test_convert_writes_a_folder_kvlab_and_transformers_read(model_file, tmp_pat
     ids = gguf_tokenizer.encode(TEXT)
     assert hf_tokenizer.encode(TEXT) == ids
     assert hf_model.config == gguf_model.config.replace(eos_token_id=hf_model.config.eos_token_id)
-    assert np.array_equal(hf_model.forward(np.array([ids[:30]])).logits, gguf_model.forward(np.array([ids[:30]])).logits)
+    prompt = np.array([ids[:30]])
+    assert np.array_equal(hf_model.forward(prompt).logits, gguf_model.forward(prompt).logits)
     messages = [{"role": "user", "content": "Hi"}]
     assert hf_tokenizer.apply_chat_template(messages) == gguf_tokenizer.apply_chat_template(messages)
     assert set(hf_tokenizer.eos_token_ids) == set(gguf_tokenizer.eos_token_ids)
