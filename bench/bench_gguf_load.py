@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-TYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")  # Q2_K/Q3_K: same path
 
 
 def best(fn, repeats: int) -> float:

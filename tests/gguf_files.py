@@ -35,7 +35,7 @@ TEXT = ("Hello, world! Ça coûte 12,50 € — naïve café. 你好，世界。
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 @functools.lru_cache(maxsize=None)
@@ -112,10 +112,12 @@ def random_k_blocks(rows: int, cols: int, qtype: str, rng: np.random.Generator) 
     kind = gguf.GGMLQuantizationType[qtype]
     block, size = gguf.GGML_QUANT_SIZES[kind]
     raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    scale = {"Q4_K": 2e-4, "Q5_K": 1e-4, "Q6_K": 3e-5}[qtype] * 8 / np.sqrt(cols)
+    scale = {"Q2_K": 1e-3, "Q3_K": 3e-4, "Q4_K": 2e-4, "Q5_K": 1e-4, "Q6_K": 3e-5}[qtype] * 16 / np.sqrt(cols)
     halves = (rng.uniform(0.5, 1.0, size=(rows, cols // block, 2)) * scale).astype("<f2").view(np.uint8)
-    if qtype == "Q6_K":
+    if qtype in ("Q3_K", "Q6_K"):
         raw[..., -2:] = halves[..., :2]  # d is the last field
+    elif qtype == "Q2_K":
+        raw[..., -4:] = halves  # d, dmin are the last fields
     else:
         raw[..., :4] = halves  # d, dmin come first
     return raw.reshape(rows, -1)

@@ -2,7 +2,7 @@
 
 Three files cover every tensor type kvlab reads: a Llama with a SentencePiece vocabulary in F32, a tied
 Qwen2 with q/k/v biases whose matrices cycle through F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1, and a
-Llama (hidden 256, the K-quant block) whose matrices cycle through Q4_K, Q5_K and Q6_K. For each: float32
+Llama (hidden 256, the K-quant block) whose matrices cycle through Q2_K, Q3_K, Q4_K, Q5_K and Q6_K. For each: float32
 logits within 1e-4 of transformers' `from_pretrained(dir, gguf_file=...)`, equal to a kvlab model built
 from the weights as written, and the same greedy tokens. Then the pieces: the header parser against
 `gguf.GGUFReader`, dequantization against independent per-block decoders, the Q/K row order, and bad
