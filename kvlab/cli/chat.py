@@ -16,6 +16,8 @@ from typing import Any, Iterator, TextIO
 
 from kvlab.cli.checks import check_sampling_flags
 from kvlab.cli.fmt import human_bytes
+from kvlab.cli.sampling_flags import add_sampling_flags, sampling_settings
+from kvlab.engine.defaults import ResolvedSampling
 from kvlab.errors import InputError, KVLabError
 from kvlab.model.llama import LlamaModel, TinyLlama
 from kvlab.prefix.conversation import Conversation
@@ -37,15 +39,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="multi-turn chat that keeps the KV cache across turns",
                        description="Chat with a model; each turn computes only what is not cached yet.",
                        epilog=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", metavar="PATH", help="model folder (default: kvlab's bundled model)")
+    p.add_argument("--model", metavar="PATH",
+                   help="HF model folder or .gguf file (default: kvlab's bundled model)")
     p.add_argument("--tiny", action="store_true", help="use the seeds' TinyLlama (random weights, bytes)")
     p.add_argument("--tiny-seed", type=int, default=7, help="TinyLlama weight seed (default 7)")
     p.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=int, default=64,
                    help="most tokens per reply (default 64)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    p.add_argument("--top-k", type=int, default=0, help="0 or -1 = off (default)")
-    p.add_argument("--top-p", type=float, default=0.95, help="1.0 = off (default 0.95)")
-    p.add_argument("--min-p", type=float, default=0.0, help="0.0 = off (default)")
+    add_sampling_flags(p)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (reply i uses seed + i; default 0)")
     p.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", default=None,
                    help="cache dtype: float64, float32, float16, bfloat16 (default: the model's)")
@@ -170,10 +170,12 @@ class Chat:
     """One conversation: its messages, its session, and how replies are produced and reported."""
 
     def __init__(self, model: LlamaModel, tokenizer: Any, args: argparse.Namespace,
-                 out: TextIO | None = None, err: TextIO | None = None) -> None:
+                 out: TextIO | None = None, err: TextIO | None = None,
+                 sampling: ResolvedSampling | None = None) -> None:
         # sys.stdout/stderr are looked up now, not when the module was imported (they may be redirected)
         self.out, self.err = out or sys.stdout, err or sys.stderr
         self.model, self.tokenizer, self.args = model, tokenizer, args
+        self.sampling = sampling or sampling_settings(args, None, model_known=False)
         self.session = Session(model, kv_dtype=args.kv_dtype)
         self.conversation = self._fresh()
         self.stop = stop_ids(model, tokenizer)
@@ -288,8 +290,7 @@ class Chat:
         a = self.args
         turn = self.session.feed(ids)
         room = self.model.config.max_position_embeddings - len(ids)
-        stream = self.session.stream(min(a.max_tokens, room), temperature=a.temperature, top_k=a.top_k,
-                                     top_p=a.top_p, min_p=a.min_p, stop_token_ids=self.stop,
+        stream = self.session.stream(min(a.max_tokens, room), **self.sampling.values, stop_token_ids=self.stop,
                                      seed=None if a.seed is None else a.seed + self.replies)
         self.replies += 1
         new: list[int] = []
@@ -319,11 +320,15 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--max-tokens must be >= 1")
     # fail before chatting; -1 (random) becomes None, so reply i's seed + i stays random
     args.seed = check_sampling_flags(args).seed
+    sampling_settings(args, None, model_known=False)  # a bad flag fails before chatting
     model, tokenizer, name = load_model(args)
-    chat = Chat(model, tokenizer, args)
+    sampling = sampling_settings(args, args.model, model_known=not isinstance(model, TinyLlama))
+    chat = Chat(model, tokenizer, args, sampling=sampling)
     if sys.stdin.isatty():
         chat.note(f"kvlab chat · {name} · context {model.config.max_position_embeddings} tokens · "
-                  "/help for commands, Ctrl-D to leave")
+                  f"sampling: {sampling.summary()} · /help for commands, Ctrl-D to leave")
+    if args.verbose:
+        chat.note(sampling.describe())
     for line in input_lines(sys.stdin, args.history):
         if not chat.handle(line):
             break

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence, TextIO
 from kvlab.cache.kv_cache import KVCache
 from kvlab.cli.checks import check_sampling_flags
 from kvlab.cli.fmt import human_bytes, read_stdin
+from kvlab.cli.sampling_flags import add_sampling_flags, sampling_settings
 from kvlab.engine.generate import stream_generate
 from kvlab.errors import ContextLengthError, InputError
 from kvlab.model.llama import LlamaModel
@@ -30,13 +31,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "of stats goes to stderr.")
     p.add_argument("prompt", nargs="?", default=None, help="the prompt text (default: read stdin)")
     p.add_argument("-m", "--model", metavar="PATH", default=None,
-                   help="model folder with config.json, *.safetensors, tokenizer.json (default: bundled)")
+                   help="HF model folder (config.json, *.safetensors, tokenizer.json) or a .gguf file "
+                        "(default: bundled)")
     p.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=int, default=256,
                    help="most new tokens; -1 = until eos or the end of the context (default 256)")
-    p.add_argument("--temperature", "--temp", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    p.add_argument("--top-p", type=float, default=0.95, help="nucleus mass, 1.0 = off (default 0.95)")
-    p.add_argument("--top-k", type=int, default=0, help="0 or -1 = off (default)")
-    p.add_argument("--min-p", type=float, default=0.0, help="0.0 = off (default)")
+    add_sampling_flags(p)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0: runs are reproducible)")
     p.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", default=None,
                    choices=["float32", "float16", "bfloat16", "float64", "fp32", "fp16", "bf16", "fp64"],
@@ -193,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens == 0 or args.max_tokens < -1:
         raise InputError(f"--max-tokens must be >= 1, or -1 for no limit (got {args.max_tokens})")
     check_sampling_flags(args)  # fail before loading
+    resolved = sampling_settings(args, args.model)
     model, tokenizer = load(args.model, dtype=args.dtype)
     prompt = encode_prompt(tokenizer, text, args.chat)
     stop = [] if args.ignore_eos else stop_token_ids(model, tokenizer)
@@ -203,9 +203,10 @@ def run(args: argparse.Namespace) -> int:
     stream = TextStream(tokenizer, prompt, sys.stdout, stop)
     if not (args.chat or args.no_display_prompt):
         stream.write_prompt(text)
+    if args.verbose:
+        print(resolved.describe(), file=sys.stderr, flush=True)
     stream.start()
-    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                    seed=args.seed)
+    sampling = dict(**resolved.values, seed=args.seed)
     try:
         if args.prompt_cache:  # a Session restored from FILE: reuses the common prefix, saved back after
             done = generate_with_prompt_cache(model, prompt, args.prompt_cache, max_tokens,
@@ -219,5 +220,6 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         computed, reason = len(prompt), "interrupted"
     stream.finish()
-    print(stream.stats(len(prompt), computed, cache, reason).line(), file=sys.stderr, flush=True)
+    print(stream.stats(len(prompt), computed, cache, reason).line() + f" | sampling: {resolved.summary()}",
+          file=sys.stderr, flush=True)
     return 130 if reason == "interrupted" else 0

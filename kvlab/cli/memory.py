@@ -18,7 +18,8 @@ from kvlab.validate import int_in_range, parse_size, read_json_object
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("memory", help="size the KV cache of a model",
                        description="K/V payload = 2 * layers * batch * kv_heads * tokens * head_dim * bytes.")
-    p.add_argument("--config", help="an HF config.json (or model folder); default: the tiny seed model")
+    p.add_argument("--config", "--model", dest="config",
+                   help="an HF config.json, model folder or .gguf file; default: the tiny seed model")
     p.add_argument("--dtype", help="cache dtype: " + ", ".join(DTYPE_BYTES)
                    + " (default: float64 for the tiny model, else the config's dtype or float16)")
     p.add_argument("--tokens", "-c", type=int, default=None, help="cached positions per sequence "
@@ -30,15 +31,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _default_dtype(path: str | None) -> str:
+    from kvlab.gguf.loader import gguf_file
+
     if path is None:
         return "float64"
+    if gguf_file(path) is not None:
+        return "float16"  # llama.cpp's default cache type
     file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
     raw = read_json_object(file, "config file", error=ConfigError)
     return str(raw.get("dtype") or raw.get("torch_dtype") or "float16")
 
 
+def model_config(path: str) -> ModelConfig:
+    """The config of an HF config.json / folder, or of a GGUF file's metadata (no weights read)."""
+    from kvlab.gguf.config import config_from_metadata
+    from kvlab.gguf.loader import gguf_file
+    from kvlab.gguf.reader import read_gguf
+
+    found = gguf_file(path)
+    return config_from_metadata(read_gguf(found)) if found is not None else ModelConfig.from_file(path)
+
+
 def run(args: argparse.Namespace) -> int:
-    config = ModelConfig.from_file(args.config) if args.config else tiny_config()
+    config = model_config(args.config) if args.config else tiny_config()
     try:
         dtype = canonical_dtype(args.dtype or _default_dtype(args.config))
     except ValueError as exc:

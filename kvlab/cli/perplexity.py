@@ -14,7 +14,7 @@ from kvlab.perplexity import perplexity
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("perplexity", help="perplexity on held-out text",
                        description="Perplexity with non-overlapping (or strided) windows; <bos> opens each.")
-    p.add_argument("--model", help="HF model folder (default: the shipped Shakespeare model)")
+    p.add_argument("--model", help="HF model folder or .gguf file (default: the shipped Shakespeare model)")
     p.add_argument("--text", help="text file (default: validation.txt in the model folder)")
     p.add_argument("--context", type=int, default=None, help="window length (default: model context)")
     p.add_argument("--stride", type=int, default=None, help="scored tokens per window (default: context)")
@@ -33,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
         validate.optional_int(getattr(args, flag), f"--{flag.replace('_', '-')}", 1)
     model, tokenizer = kvlab.load(args.model, dtype=args.dtype)
     folder = Path(args.model) if args.model else kvlab.hf.DEFAULT_MODEL_DIR
+    folder = folder.parent if folder.is_file() else folder  # a .gguf file: look beside it
     text_path = Path(args.text) if args.text else folder / "validation.txt"
     if not args.text and not text_path.is_file():
         raise InputError(f"{text_path}: no such text file (give --text)")

@@ -145,7 +145,11 @@ def read_weights(headers: list[SafetensorsHeader], dtype: np.dtype, progress: bo
 
 def load_model(path: str | Path | None = None, dtype: Any = "float32", progress: bool | None = None
                ) -> LlamaModel:
-    """The model of an HF folder (None: the default model), computing in float32 (or float64)."""
+    """The model of an HF folder or a GGUF file (None: the default model), computing in float32 (or float64)."""
+    from kvlab.gguf.loader import gguf_file, load_gguf
+
+    if gguf_file(path) is not None:
+        return load_gguf(path, dtype, progress)[0]
     folder = resolve_model_dir(path)
     dtype = validate.compute_dtype(dtype, error=ConfigError)
     config = load_config(folder)
@@ -244,8 +248,13 @@ def load(path: str | Path | None = None, dtype: Any = "float32", progress: bool 
          ) -> tuple[LlamaModel, HFTokenizer]:
     """`model, tokenizer = kvlab.load(path)`; without a path, the default model shipped with kvlab.
 
-    The tokenizer is read first (it is small), so a folder without one fails before the weights load.
+    `path` is an HF folder, a .gguf file or a folder holding one. The tokenizer is read first (it is
+    small), so a folder without one fails before the weights load.
     """
+    from kvlab.gguf.loader import gguf_file, load_gguf
+
+    if gguf_file(path) is not None:
+        return load_gguf(path, dtype, progress)
     folder = resolve_model_dir(path)
     config = load_config(folder)
     tokenizer = load_tokenizer(folder, config)

@@ -1,0 +1,85 @@
+"""`kvlab.load("model.gguf")`: a GGUF file (or a folder holding one) as kvlab's model and tokenizer.
+
+The same objects the HF loader returns (a LlamaModel, an HFTokenizer), through the same validation
+(ModelConfig, check_weights), in the same order: header, config, tokenizer and every tensor's name, type
+and shape are checked before a single block is dequantized, so a bad file raises a CheckpointError or
+ConfigError naming the file and the key or tensor, and never yields a half-loaded model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvlab.config import ModelConfig
+from kvlab.errors import CheckpointError, ConfigError
+from kvlab.gguf.config import config_from_metadata
+from kvlab.gguf.reader import GGUFFile, read_gguf
+from kvlab.gguf.tensors import read_weights, weight_plan
+from kvlab.gguf.tokenizer import tokenizer_from_metadata
+from kvlab.hf.progress import weight_progress
+from kvlab.model.llama import LlamaModel
+from kvlab.tokenizer import HFTokenizer
+
+def gguf_file(path: str | Path | None) -> Path | None:
+    """The .gguf file `path` names (the file itself, or the one .gguf in a folder without config.json);
+    None when `path` is not a GGUF model, so the caller treats it as an HF folder."""
+    if path is None:
+        return None
+    path = Path(path).expanduser()
+    if path.suffix.lower() == ".gguf" and not path.is_dir():
+        return path
+    if path.is_file():
+        with open(path, "rb") as handle:
+            return path if handle.read(4) == b"GGUF" else None
+    if not path.is_dir() or (path / "config.json").exists():
+        return None
+    found = sorted(p for p in path.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
+    if len(found) > 1:
+        raise CheckpointError(f"{path}: holds {len(found)} .gguf files ({', '.join(p.name for p in found)}); "
+                              "pass the one to load")
+    return found[0] if found else None
+
+
+@dataclass
+class GGUFCheckpoint:
+    """What a GGUF file holds, in kvlab's terms: config, HF-named float weights, tokenizer."""
+
+    path: Path
+    config: ModelConfig
+    weights: dict[str, np.ndarray]
+    tokenizer: HFTokenizer
+
+
+def open_gguf(path: str | Path) -> tuple[GGUFFile, ModelConfig, HFTokenizer, dict]:
+    """Parse and validate everything but the tensor payload: (file, config, tokenizer, weight plan)."""
+    resolved = gguf_file(path)
+    if resolved is None:
+        raise CheckpointError(f"{path}: not a .gguf file or a folder holding one")
+    gguf = read_gguf(resolved)
+    config = config_from_metadata(gguf)
+    tokenizer = tokenizer_from_metadata(gguf)
+    plan = weight_plan(gguf, config)
+    return gguf, config, tokenizer, plan
+
+
+def read_checkpoint(path: str | Path, dtype: Any = "float32", progress: bool | None = None) -> GGUFCheckpoint:
+    """Config, dequantized weights (HF names and layout) and tokenizer of a GGUF file."""
+    dtype = np.dtype(dtype)
+    if dtype not in (np.float32, np.float64):
+        raise ConfigError(f"compute dtype must be float32 or float64, got {dtype}")
+    gguf, config, tokenizer, plan = open_gguf(path)
+    with weight_progress(sum(info.nbytes for info in plan.values()), progress) as advance:
+        weights = read_weights(gguf, config, plan, dtype, on_tensor=advance)
+    return GGUFCheckpoint(gguf.path, config, weights, tokenizer)
+
+
+def load_gguf(path: str | Path, dtype: Any = "float32", progress: bool | None = None
+              ) -> tuple[LlamaModel, HFTokenizer]:
+    """(model, tokenizer) of a GGUF file, computing in float32 (or float64)."""
+    checkpoint = read_checkpoint(path, dtype, progress)
+    model = LlamaModel(checkpoint.config, weights=checkpoint.weights, dtype=dtype, source=str(checkpoint.path))
+    return model, checkpoint.tokenizer
