@@ -108,3 +108,35 @@ def test_random_operations_keep_the_pool_balanced(ops):
         pool.release(table)
     pool.check_invariants()
     assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_paged_store_runs_the_plain_forward_and_forks_copy_on_write():
+    from kvlab import KVCache, TinyLlama
+    from kvlab.cache.paged import PagedStore
+    model = TinyLlama(seed=2)
+    c = model.config
+    pool = BlockPool(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, np.float64, 4, 16)
+    ids = np.array([list(range(3, 14))])
+    paged = KVCache(model.cache_spec, store=PagedStore(pool))
+    plain = model.forward(ids[:, :7], use_cache=True).cache
+    model.forward(ids[:, :7], cache=paged, use_cache=True)
+    for cache in (plain, paged):
+        model.forward(ids[:, 7:], cache=cache, use_cache=True)
+    for (k1, v1), (k2, v2) in zip(plain, paged):
+        np.testing.assert_array_equal(k1, k2)
+        np.testing.assert_array_equal(v1, v2)
+    assert pool.num_used_blocks == 3  # 11 tokens in blocks of 4
+    fork = paged.fork()  # shares the two full blocks, copies the partial third
+    assert pool.num_used_blocks == 4 and max(pool.ref_counts) == 2
+    saved = [k.copy() for k, _ in fork]
+    paged.crop(5)  # rewriting position 5 must not touch the fork's block
+    model.forward(np.array([[99, 98]]), cache=paged, use_cache=True)
+    assert all(np.array_equal(k, s) for (k, _), s in zip(fork, saved))
+    second = paged.fork()
+    got = model.forward(np.array([[7]]), cache=second, use_cache=True).logits[0, -1]
+    full = model.forward(np.array([list(range(3, 8)) + [99, 98, 7]])).logits[0, -1]
+    np.testing.assert_allclose(got, full, atol=1e-10)
+    for cache in (paged, fork, second):
+        cache.store.release()
+    pool.check_invariants()
+    assert pool.num_free_blocks == pool.num_blocks

@@ -26,6 +26,22 @@ import numpy as np
 from kvlab.errors import InputError
 
 
+def write_slots(key_cache: np.ndarray, value_cache: np.ndarray, slot_mapping: np.ndarray,
+                keys: np.ndarray, values: np.ndarray) -> None:
+    """Store keys/values [N, H_kv, d] at global slots [N] (slot = block * block_size + row) of one layer."""
+    block_size = key_cache.shape[2]
+    blocks, rows = np.divmod(slot_mapping, block_size)
+    key_cache[blocks, :, rows] = keys
+    value_cache[blocks, :, rows] = values
+
+
+def gather_blocks(cache: np.ndarray, block_tables: np.ndarray, length: int) -> np.ndarray:
+    """The first `length` positions of each row's blocks as one contiguous [B, H_kv, length, d] array."""
+    gathered = cache[block_tables]  # [B, M, H_kv, block_size, d]
+    batch, num_blocks, heads, block_size, dim = gathered.shape
+    return gathered.transpose(0, 2, 1, 3, 4).reshape(batch, heads, num_blocks * block_size, dim)[:, :, :length]
+
+
 @dataclass(frozen=True)
 class CachedBlock:
     """What the prefix cache registered for a full block: its key, its parent's key and its token ids."""
@@ -175,3 +191,81 @@ class BlockPool:
     def _forget(self, block: int) -> None:
         info = self._block_info.pop(block)
         del self._cached[info.key]
+
+
+class PagedStore:
+    """A KVStore over a BlockPool for one sequence, so `KVCache` (and `LlamaModel.forward`) run on blocks.
+
+    Blocks are taken from the pool as positions are reserved; `copy` shares the full blocks (ref counts)
+    and copies only the partially filled last one, so a fork costs at most one block. Call `release`
+    when done with it, or the pool keeps the blocks.
+    """
+
+    def __init__(self, pool: BlockPool, block_table: Sequence[int] = ()) -> None:
+        self.pool = pool
+        self.block_table = list(block_table)
+        self.dtype = pool.dtype
+
+    @property
+    def capacity_tokens(self) -> int:
+        return len(self.block_table) * self.pool.block_size
+
+    @property
+    def capacity_bytes(self) -> int:
+        return len(self.block_table) * self.pool.bytes_per_block
+
+    def reserve(self, num_tokens: int) -> None:
+        more = self.pool.blocks_for(num_tokens) - len(self.block_table)
+        if more > 0:
+            self.block_table += self.pool.allocate(more)
+
+    def _slots(self, start: int, count: int) -> np.ndarray:
+        positions = np.arange(start, start + count)
+        size = self.pool.block_size
+        return np.asarray(self.block_table, dtype=np.int64)[positions // size] * size + positions % size
+
+    def write(self, layer: int, start: int, keys: np.ndarray, values: np.ndarray) -> None:
+        if keys.shape[0] != 1:
+            raise InputError(f"a PagedStore holds one sequence, got a batch of {keys.shape[0]}")
+        if layer == 0:
+            self._own(start, keys.shape[2])
+        slots = self._slots(start, keys.shape[2])
+        write_slots(self.pool.key_cache[layer], self.pool.value_cache[layer], slots,
+                    keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2))
+
+    def _own(self, start: int, count: int) -> None:
+        """Copy-on-write: blocks about to be written that a fork also holds are copied first."""
+        size = self.pool.block_size
+        for index in range(start // size, self.pool.blocks_for(start + count)):
+            block = self.block_table[index]
+            if self.pool.ref_counts[block] > 1:
+                [copy] = self.pool.allocate(1)
+                self.pool.copy_block(block, copy, size)
+                self.pool.release([block])
+                self.block_table[index] = copy
+
+    def read(self, layer: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        table = np.asarray([self.block_table[:self.pool.blocks_for(length)]], dtype=np.int64)
+        if table.shape[1] == 0:
+            shape = (1, self.pool.key_cache[layer].shape[1], 0, self.pool.key_cache[layer].shape[3])
+            return np.zeros(shape, self.dtype), np.zeros(shape, self.dtype)
+        return (gather_blocks(self.pool.key_cache[layer], table, length),
+                gather_blocks(self.pool.value_cache[layer], table, length))
+
+    def copy(self, length: int) -> "PagedStore":
+        full, partial = divmod(length, self.pool.block_size)
+        shared = self.block_table[:full]
+        if partial and self.pool.num_free_blocks < 1:
+            raise InputError("no free block for the copy of the partially filled last block")
+        self.pool.acquire(shared)
+        table = list(shared)
+        if partial:
+            [block] = self.pool.allocate(1)
+            self.pool.copy_block(self.block_table[full], block, partial)
+            table.append(block)
+        return PagedStore(self.pool, table)
+
+    def release(self) -> None:
+        """Give every block back to the pool."""
+        self.pool.release(self.block_table)
+        self.block_table = []

@@ -11,23 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvlab.cache.paged import gather_blocks, write_slots  # noqa: F401  (the model writes through these)
 from kvlab.model.layers import attend, attention_mask
-
-
-def write_slots(key_cache: np.ndarray, value_cache: np.ndarray, slot_mapping: np.ndarray,
-                keys: np.ndarray, values: np.ndarray) -> None:
-    """Store keys/values [N, H_kv, d] at global slots [N] (slot = block * block_size + row) of one layer."""
-    block_size = key_cache.shape[2]
-    blocks, rows = np.divmod(slot_mapping, block_size)
-    key_cache[blocks, :, rows] = keys
-    value_cache[blocks, :, rows] = values
-
-
-def gather_blocks(cache: np.ndarray, block_tables: np.ndarray, length: int) -> np.ndarray:
-    """The first `length` positions of each row's blocks as one contiguous [B, H_kv, length, d] array."""
-    gathered = cache[block_tables]  # [B, M, H_kv, block_size, d]
-    batch, num_blocks, heads, block_size, dim = gathered.shape
-    return gathered.transpose(0, 2, 1, 3, 4).reshape(batch, heads, num_blocks * block_size, dim)[:, :, :length]
 
 
 def paged_attention(q: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray, block_tables: np.ndarray,
