@@ -237,7 +237,7 @@ def main() -> None:
         r["vs_batch1"] = r["batched_tok_s"] / batch1
 
     s = results["shared_prefix"]
-    table = Table(title=f"shared system prompt: {n_shared} requests, 192-token common prefix, arriving one per step")
+    table = Table(title=f"shared system prompt: {n_shared} requests, 192-token common prefix, one new per step")
     for col in ("", "TTFT mean ms", "TTFT p50 ms", "prefill tokens", "hit rate", "wall s"):
         table.add_column(col, justify="right")
     for key in ("uncached", "cached"):

@@ -1,14 +1,13 @@
 """The batched paged forward equals a full recompute for every sequence, whatever the batch and chunks."""
 
 import numpy as np
-import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvlab import TinyLlama
-from kvlab.cache.paged import BlockPool
+from kvlab.cache.paged import BlockPool, gather_blocks, write_slots
 from kvlab.model.batch import BatchInput, forward_batch
-from kvlab.model.paged_attention import gather_blocks, paged_attention, write_slots
 from kvlab.model.layers import grouped_attention
+from kvlab.model.paged_attention import paged_attention
 
 
 def run_schedule(model, prompts, chunks_per_seq, block_size, kv_dtype=None):

@@ -199,7 +199,9 @@ def test_sampling_is_reproducible_under_preemption(model):
     tight = Engine(model, block_size=4, num_blocks=10, max_num_batched_tokens=5)
     squeezed = tight.generate(prompts, params)
     assert tight.stats()["num_preemptions"] > 0
-    assert [[s.token_ids for s in o.outputs] for o in roomy] == [[s.token_ids for s in o.outputs] for o in squeezed]
+    def samples(outputs):
+        return [[s.token_ids for s in o.outputs] for o in outputs]
+    assert samples(roomy) == samples(squeezed)
 
 
 # --- the step API ------------------------------------------------------------------------------------------
@@ -378,3 +380,22 @@ def test_engine_is_exported_and_runs_the_default_model():
     assert outs[0].outputs[0].token_ids == generate(model, [ids], len(outs[0].outputs[0].token_ids),
                                                     stop_token_ids=tok.eos_token_ids)[0].tolist()
     assert isinstance(outs[1].outputs[0].text, str) and outs[1].prompt_token_ids == tok.encode("JULIET:")
+
+
+@settings(max_examples=12)
+@given(st.data())
+def test_seeded_sampling_does_not_depend_on_company(data):
+    model = TinyLlama(seed=1)
+    count = data.draw(st.integers(1, 4))
+    prompts = [data.draw(st.lists(st.integers(0, 255), min_size=1, max_size=20)) for _ in range(count)]
+    params = [SamplingParams(temperature=data.draw(st.sampled_from([0.0, 0.7, 1.3])), top_p=0.9, seed=i,
+                             n=data.draw(st.integers(1, 3)), max_tokens=data.draw(st.integers(1, 12)),
+                             ignore_eos=True) for i in range(len(prompts))]
+    alone = [Engine(model, block_size=4).generate([p], q)[0] for p, q in zip(prompts, params)]
+    longest = max(len(p) + q.max_tokens for p, q in zip(prompts, params))
+    engine = Engine(model, block_size=data.draw(st.sampled_from([2, 4])), num_blocks=-(-(longest + 1) // 2) + 2,
+                    max_num_batched_tokens=data.draw(st.integers(1, 16)))
+    together = engine.generate(prompts, params)
+    for a, b in zip(alone, together):
+        assert [s.token_ids for s in a.outputs] == [s.token_ids for s in b.outputs]
+    assert_idle_balanced(engine)

@@ -275,6 +275,10 @@ class Engine:
         seq.finish_reason = reason
         if seq.decoder is not None and seq.text_end is None:
             seq.text += seq.decoder.flush()
+        if seq.index == 0 and not seq.request.forked:  # the samples that were to fork from it end too
+            for sibling in seq.request.seqs[1:]:
+                if not sibling.finished():
+                    self._finish(sibling, reason)
 
     # --- generate ------------------------------------------------------------------------------------------
     def generate(self, prompts: Any, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvlab.cache.paged import write_slots
 from kvlab.model.layers import rms_norm, rotate_halves
 from kvlab.model.llama import LlamaModel
-from kvlab.model.paged_attention import paged_attention, write_slots
+from kvlab.model.paged_attention import paged_attention
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvlab.cache.paged import gather_blocks, write_slots  # noqa: F401  (the model writes through these)
+from kvlab.cache.paged import gather_blocks
 from kvlab.model.layers import attend, attention_mask
 
 
