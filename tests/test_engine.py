@@ -220,8 +220,10 @@ def test_continuous_batching_abort_and_outputs(model):
     assert engine.block_pool.num_used_blocks < used  # freed at once
     with pytest.raises(InputError, match="unknown request_id"):
         engine.abort_request("b")
-    third = {o.request_id: o for o in engine.step()}
-    assert third["b"].finished and third["b"].outputs[0].finish_reason == "abort"
+    engine.add_request("b", [7, 7, 7], SamplingParams(max_tokens=2, **GREEDY))  # the id is free again
+    third = engine.step()
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in third if o.request_id == "b"] == \
+        [("b", "abort"), ("b", None)]
     finals = run_to_idle(engine)
     assert finals["a"].outputs[0].token_ids == reference(model, list(range(10)), 6)
     assert_idle_balanced(engine)

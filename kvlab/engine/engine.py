@@ -193,13 +193,16 @@ class Engine:
             for row, seq in enumerate(sampled):
                 self._append_tokens(seq, logits[row])
                 progressed[seq.request.request_id] = seq.request
-        outputs = dict(self._pending)
+        # Held outputs first (aborts, and others' outputs kept by generate), unless superseded by a newer
+        # output of the same request; an aborted id that was reused reports both requests.
+        outputs = [out for request_id, out in self._pending.items()
+                   if out.finished or request_id not in progressed]
         self._pending.clear()
         for request_id, request in progressed.items():
-            outputs[request_id] = request.output()
+            outputs.append(request.output())
             if request.finished():
                 self._requests.pop(request_id, None)
-        return list(outputs.values())
+        return outputs
 
     def _run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[np.ndarray, list[Sequence]]:
         """One batched forward over every scheduled token; logits of the sequences that reach their end."""
