@@ -95,7 +95,7 @@ class Engine:
         self.eos_token_ids = frozenset(int(i) for i in (eos if eos else config.eos_token_ids))
         self._requests: dict[str, Request] = {}     # unfinished
         self._pending: dict[str, RequestOutput] = {}  # to report at the next step (aborts, stashed)
-        self._roots: dict[bytes, str | None] = {}
+        self._roots: set[bytes] = set()  # chain roots seen: a block whose parent is one starts a chain
         self._ids = itertools.count()
         self._counts = {"num_prompt_tokens": 0, "num_generation_tokens": 0, "num_computed_tokens": 0,
                         "num_prefill_tokens": 0, "num_steps": 0}
@@ -134,17 +134,15 @@ class Engine:
         if self.tokenizer is not None:
             for seq in request.seqs:
                 seq.decoder = self.tokenizer.stream_decoder(ids)
-        self._roots.setdefault(root, cache_salt)
         return request
 
     def _prompt_ids(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InputError("a text prompt needs a tokenizer: pass Engine(model, tokenizer) or token ids")
-            ids = list(self.tokenizer.encode(prompt))
-            if not ids:
+            prompt = list(self.tokenizer.encode(prompt))
+            if not prompt:
                 raise InputError("the prompt is empty: it encodes to no tokens")
-            return ids
         if isinstance(prompt, np.ndarray) and prompt.ndim != 1:
             raise InputError(f"a prompt must be a 1-D list of token ids, got shape {prompt.shape}")
         if not isinstance(prompt, (list, tuple, np.ndarray)):
@@ -162,6 +160,7 @@ class Engine:
 
     def _enqueue(self, request: Request) -> None:
         self._requests[request.request_id] = request
+        self._roots.add(request.root_key)
         self.scheduler.add(request.seqs[0])
         self._counts["num_prompt_tokens"] += request.num_prompt_tokens
 
