@@ -77,6 +77,12 @@ def test_random_workloads_give_each_request_its_tokens_alone(data):
             seen[out.request_id] = out
             if out.finished:
                 finals[out.request_id] = out
+        state = json.loads(json.dumps(engine.cache_state()))
+        refs = {b["id"]: b["ref_count"] for b in state["blocks"]}
+        assert sum(r > 0 for r in refs.values()) == state["num_used_blocks"]
+        for r in state["requests"]:
+            assert all(refs[b] > 0 for b in r["block_table"])
+            assert (r["status"] == "waiting") == (r["block_table"] == [] and r["num_computed_tokens"] == 0)
         step += 1
         assert step < 5000
     assert_idle_balanced(engine)
