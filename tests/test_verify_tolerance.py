@@ -39,9 +39,14 @@ def faulty_model(scale: float, dtype=np.float32) -> kvlab.TinyLlama:
     return Faulty(seed=7, dtype=dtype)
 
 
+PAGED = ("paged", "engine")  # verify's schedules over the block pool, not over KVCache
+
+
 @pytest.mark.parametrize("relative", [1e-3, 1e-4])
 def test_a_one_row_corruption_fails_in_float32(relative):
-    results = verify_model(faulty_model(1 + relative))
+    # the corruption is planted in KVCache; the paged schedules use the block pool and stay clean
+    results = [r for r in verify_model(faulty_model(1 + relative)) if r.name not in PAGED]
+    assert len(results) == 5
     assert not any(r.passed for r in results), [(r.name, r.max_abs_error, r.tolerance) for r in results]
 
 
@@ -49,7 +54,7 @@ def test_the_old_fixed_tolerance_missed_what_the_scaled_one_catches():
     """A 1e-4 relative error in one row changes logits by ~3e-5: under the old fixed 1e-4, over 1e-5."""
     model = faulty_model(1 + 1e-4)
     assert all(r.passed for r in verify_model(model, tolerance=1e-4))
-    assert not any(r.passed for r in verify_model(model))
+    assert not any(r.passed for r in verify_model(model) if r.name not in PAGED)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

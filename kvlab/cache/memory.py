@@ -20,7 +20,6 @@ DTYPE_BYTES: dict[str, float] = {
 DTYPE_ALIASES = {"fp64": "float64", "fp32": "float32", "fp16": "float16", "half": "float16",
                  "bf16": "bfloat16", "float8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
 
-
 def canonical_dtype(name: str) -> str:
     key = DTYPE_ALIASES.get(str(name).lower(), str(name).lower())
     if key not in DTYPE_BYTES:
