@@ -56,7 +56,8 @@ class MemoryReport:
     dtype: str
     payload_bytes: int
     capacity_bytes: int
-    metadata_bytes: int
+    metadata_bytes: int   # position ids, plus the scales of a quantized cache
+    scale_bytes: int = 0  # the quantized cache's scales and zero points (already in metadata_bytes)
 
     @property
     def total_bytes(self) -> int:

@@ -68,6 +68,9 @@ def write_session_file(path: str | Path, cache: KVCache, tokens: Sequence[int],
     """Write `cache` (batch 1, one row per token of `tokens`) and `extra` (JSON-able) to `path` atomically."""
     path = Path(path)
     length = cache.get_seq_length()
+    if cache.quantized:
+        raise InputError(f"session files hold float K/V rows; a {cache.dtype.name} cache cannot be saved "
+                         "(use a float cache dtype for sessions and prompt caches)")
     if cache.batch_size != 1 or len(tokens) != length:
         raise InputError(f"a session file holds one sequence with one row per token; got batch "
                          f"{cache.batch_size}, {length} rows and {len(tokens)} tokens")

@@ -1,0 +1,224 @@
+"""QuantizedStore: a KVStore that keeps K/V as int8 / int4 codes with float16 scales, or as fp8.
+
+Same contract as ContiguousStore (kvlab/cache/contiguous.py): rows [B, H_kv, n, d] are written at a
+position and read back as the first `length` positions, but reads return *dequantized* copies in the
+compute dtype, so the model attends over exactly what is stored (what a token sees does not depend on
+whether the rows were written by a prefill or by decode steps). Values are always grouped per token and
+head; keys per token too, or per channel over blocks of `block_size` tokens (KIVI), in which case the
+last, partial block is held in full precision until it fills.
+
+`copy` clones codes and scales byte for byte (a fork never re-quantizes). A write before the end of the
+stored rows (after a crop) simply overwrites token-grouped rows; for channel-grouped keys it reopens the
+block it falls in: the block's earlier rows return to the full-precision tail as their dequantized values
+and are quantized again, with fresh scales, when the block refills.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvlab.cache.contiguous import MIN_CAPACITY
+from kvlab.cache.quant import (QuantFormat, dequantize_int, pack_int4, quantize_fp8, quantize_int,
+                               unpack_int4, FP8_DTYPES, SCALE_DTYPE)
+
+
+class _TokenCodes:
+    """One tensor [B, H, T, d] stored per token: codes plus (int formats) a scale and zero per group."""
+
+    def __init__(self, fmt: QuantFormat, shape: tuple[int, int, int], dtype: np.dtype, capacity: int) -> None:
+        self.fmt, self.shape, self.dtype = fmt, shape, dtype
+        batch, heads, dim = shape
+        self.group = fmt.group_size if dim % fmt.group_size == 0 else dim
+        self.codes_dim = dim // 2 if fmt.bits == 4 else dim
+        self.codes_dtype = FP8_DTYPES[fmt.name] if fmt.is_float else np.dtype(np.uint8)
+        self.codes = np.zeros((batch, heads, capacity, self.codes_dim), self.codes_dtype)
+        groups = 0 if fmt.is_float else dim // self.group
+        self.scale = np.zeros((batch, heads, capacity, groups), SCALE_DTYPE)
+        self.zero = np.zeros((batch, heads, capacity, groups), SCALE_DTYPE)
+
+    @property
+    def capacity(self) -> int:
+        return self.codes.shape[2]
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return self.codes, self.scale, self.zero
+
+    def grow(self, capacity: int) -> None:
+        old = self.capacity
+        for name in ("codes", "scale", "zero"):
+            array = getattr(self, name)
+            grown = np.zeros(array.shape[:2] + (capacity,) + array.shape[3:], array.dtype)
+            grown[:, :, :old] = array
+            setattr(self, name, grown)
+
+    def write(self, start: int, x: np.ndarray) -> None:
+        end = start + x.shape[2]
+        if self.fmt.is_float:
+            self.codes[:, :, start:end] = quantize_fp8(x, self.fmt.name)
+            return
+        batch, heads, num, dim = x.shape
+        codes, scale, zero = quantize_int(x.reshape(batch, heads, num, dim // self.group, self.group),
+                                          self.fmt.bits)
+        codes = codes.reshape(batch, heads, num, dim)
+        self.codes[:, :, start:end] = pack_int4(codes) if self.fmt.bits == 4 else codes
+        self.scale[:, :, start:end] = scale[..., 0]
+        self.zero[:, :, start:end] = zero[..., 0]
+
+    def read(self, length: int) -> np.ndarray:
+        codes = self.codes[:, :, :length]
+        if self.fmt.is_float:
+            return codes.astype(self.dtype)
+        if self.fmt.bits == 4:
+            codes = unpack_int4(codes)
+        batch, heads, _, dim = self.shape[0], self.shape[1], length, self.shape[2]
+        grouped = codes.reshape(batch, heads, length, dim // self.group, self.group)
+        out = dequantize_int(grouped, self.scale[:, :, :length, :, None], self.zero[:, :, :length, :, None],
+                             self.dtype)
+        return out.reshape(batch, heads, length, dim)
+
+    def copy(self, length: int, capacity: int) -> "_TokenCodes":
+        clone = _TokenCodes(self.fmt, self.shape, self.dtype, capacity)
+        for mine, theirs in zip(self.arrays(), clone.arrays()):
+            theirs[:, :, :length] = mine[:, :, :length]
+        return clone
+
+    def nbytes(self, length: int) -> tuple[int, int]:
+        """(payload, scale) bytes of the first `length` rows."""
+        per_row = [a[:, :, :1].nbytes for a in self.arrays()]
+        return per_row[0] * length, (per_row[1] + per_row[2]) * length
+
+
+class _ChannelCodes:
+    """Keys [B, H, T, d] stored per channel over blocks of `block_size` tokens (KIVI), tail in full precision."""
+
+    def __init__(self, fmt: QuantFormat, shape: tuple[int, int, int], dtype: np.dtype, capacity: int) -> None:
+        self.fmt, self.shape, self.dtype, self.block = fmt, shape, dtype, fmt.block_size
+        batch, heads, dim = shape
+        capacity = -(-capacity // self.block) * self.block
+        self.codes = np.zeros((batch, heads, capacity, dim // 2 if fmt.bits == 4 else dim), np.uint8)
+        self.scale = np.zeros((batch, heads, capacity // self.block, dim), SCALE_DTYPE)
+        self.zero = np.zeros_like(self.scale)
+        self.tail = np.zeros((batch, heads, self.block, dim), dtype)  # the partial block, full precision
+        self.quantized = 0  # rows [0, quantized) are in codes: a multiple of block
+
+    @property
+    def capacity(self) -> int:
+        return self.codes.shape[2]
+
+    def grow(self, capacity: int) -> None:
+        capacity = -(-capacity // self.block) * self.block
+        for name, size in (("codes", capacity), ("scale", capacity // self.block), ("zero", capacity // self.block)):
+            array = getattr(self, name)
+            grown = np.zeros(array.shape[:2] + (size,) + array.shape[3:], array.dtype)
+            grown[:, :, :array.shape[2]] = array
+            setattr(self, name, grown)
+
+    def _blocks(self, end: int) -> np.ndarray:
+        """Dequantized rows [0, end) of the quantized part (end a multiple of block, <= quantized)."""
+        batch, heads, dim = self.shape
+        codes = self.codes[:, :, :end]
+        if self.fmt.bits == 4:
+            codes = unpack_int4(codes)
+        n = end // self.block
+        grouped = codes.reshape(batch, heads, n, self.block, dim)
+        out = dequantize_int(grouped, self.scale[:, :, :n, None], self.zero[:, :, :n, None], self.dtype)
+        return out.reshape(batch, heads, end, dim)
+
+    def write(self, start: int, x: np.ndarray) -> None:
+        if start < self.quantized:  # reopen the block `start` falls in
+            first = start // self.block * self.block
+            self.tail[:, :, :start - first] = self._blocks(first + self.block)[:, :, first:start]
+            self.quantized = first
+        position, i, num = start, 0, x.shape[2]
+        while i < num:
+            offset = position - self.quantized
+            take = min(self.block - offset, num - i)
+            self.tail[:, :, offset:offset + take] = x[:, :, i:i + take]
+            position, i = position + take, i + take
+            if position - self.quantized == self.block:
+                codes, scale, zero = quantize_int(self.tail, self.fmt.bits, axis=-2)
+                q, b = self.quantized, self.quantized // self.block
+                self.codes[:, :, q:q + self.block] = pack_int4(codes) if self.fmt.bits == 4 else codes
+                self.scale[:, :, b], self.zero[:, :, b] = scale[:, :, 0], zero[:, :, 0]
+                self.quantized += self.block
+
+    def read(self, length: int) -> np.ndarray:
+        done = min(length, self.quantized)
+        end = -(-done // self.block) * self.block
+        head = self._blocks(end)[:, :, :done]
+        if length <= done:
+            return head
+        return np.concatenate([head, self.tail[:, :, :length - done]], axis=2)
+
+    def copy(self, length: int, capacity: int) -> "_ChannelCodes":
+        """Byte-for-byte clone of every quantized block and the tail: rows past `length` are never read,
+        and a later write there reopens its block exactly as it would in the original."""
+        clone = _ChannelCodes(self.fmt, self.shape, self.dtype, max(capacity, self.quantized))
+        done, blocks = self.quantized, self.quantized // self.block
+        clone.codes[:, :, :done] = self.codes[:, :, :done]
+        clone.scale[:, :, :blocks], clone.zero[:, :, :blocks] = self.scale[:, :, :blocks], self.zero[:, :, :blocks]
+        clone.tail[...] = self.tail
+        clone.quantized = done
+        return clone
+
+    def nbytes(self, length: int) -> tuple[int, int]:
+        done = min(length, self.quantized)
+        per_code_row = self.codes[:, :, :1].nbytes
+        blocks = -(-done // self.block)
+        return (per_code_row * done + self.tail[:, :, :1].nbytes * (length - done),
+                (self.scale[:, :, :1].nbytes + self.zero[:, :, :1].nbytes) * blocks)
+
+
+class QuantizedStore:
+    """KVStore in a QuantFormat; reads dequantize to `dtype` (the model's compute dtype)."""
+
+    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int, fmt: QuantFormat,
+                 dtype: np.dtype, capacity: int = MIN_CAPACITY) -> None:
+        self.fmt, self.dtype = fmt, np.dtype(dtype)
+        self.shape = (batch_size, num_kv_heads, head_dim)
+        capacity = max(int(capacity), 1)
+        key_kind = _ChannelCodes if fmt.key_grouping == "channel" and not fmt.is_float else _TokenCodes
+        self._keys = [key_kind(fmt, self.shape, self.dtype, capacity) for _ in range(num_layers)]
+        self._values = [_TokenCodes(fmt, self.shape, self.dtype, capacity) for _ in range(num_layers)]
+
+    @property
+    def capacity_tokens(self) -> int:
+        return min(self._keys[0].capacity, self._values[0].capacity)
+
+    @property
+    def capacity_bytes(self) -> int:
+        total = 0
+        for k, v in zip(self._keys, self._values):
+            total += sum(a.nbytes for a in v.arrays()) + k.codes.nbytes + k.scale.nbytes + k.zero.nbytes
+            total += getattr(k, "tail", np.zeros(0)).nbytes
+        return total
+
+    def reserve(self, num_tokens: int) -> None:
+        capacity = self.capacity_tokens
+        if num_tokens <= capacity:
+            return
+        new_capacity = max(num_tokens, 2 * capacity, MIN_CAPACITY)
+        for codes in (*self._keys, *self._values):
+            codes.grow(new_capacity)
+
+    def write(self, layer: int, start: int, keys: np.ndarray, values: np.ndarray) -> None:
+        self._keys[layer].write(start, keys)
+        self._values[layer].write(start, values)
+
+    def read(self, layer: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        return self._keys[layer].read(length), self._values[layer].read(length)
+
+    def copy(self, length: int) -> "QuantizedStore":
+        clone = QuantizedStore(0, *self.shape, self.fmt, self.dtype)
+        capacity = max(length, MIN_CAPACITY)
+        clone._keys = [k.copy(length, capacity) for k in self._keys]
+        clone._values = [v.copy(length, capacity) for v in self._values]
+        return clone
+
+    def nbytes(self, length: int) -> tuple[int, int]:
+        """(payload, scale) bytes of the first `length` positions of every layer."""
+        payload = scales = 0
+        for codes in (*self._keys, *self._values):
+            p, s = codes.nbytes(length)
+            payload, scales = payload + p, scales + s
+        return payload, scales
