@@ -54,6 +54,8 @@ def parse_cache_choice(text: str, context: int, compute_dtype: object = "float32
     """`exact`, a cache dtype (`int8`), a policy (`window:64`), or both joined by `+` (`int8+window:64`)."""
     kv_dtype, policy = None, None
     for part in (p.strip() for p in str(text).split("+")):
+        if not part:
+            raise InputError(f"empty part in cache choice {text!r}: write DTYPE, POLICY or DTYPE+POLICY")
         if part.split(":")[0].lower() in _KINDS or part.lower() in ("exact", "full", "none"):
             found = parse_policy(part, context)
             if found is not None and policy is not None:
