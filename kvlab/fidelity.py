@@ -106,18 +106,21 @@ def measure_fidelity(model: LlamaModel, token_ids: Sequence[int], bos_token_id: 
         targets = ids[b:e]
         # The reference: the same decode steps with a plain cache, run apart from every choice (so the
         # "exact" choice, which goes through the same machinery as the others, is checked against it).
-        exact = _read_window(model, window, CacheChoice("reference", None, None)).logp
+        scored = slice(i - b, None)  # a last, shorter window re-reads earlier tokens but scores only new ones
+        exact = _read_window(model, window, CacheChoice("reference", None, None)).logp[scored]
         p_exact = np.exp(exact)
+        targets = targets[scored]
         for choice in parsed:
             if progress:
                 progress(f"window {number + 1} ({e}/{len(ids)} tokens): {choice.name}")
             run = _read_window(model, window, choice)
-            kl = np.maximum((p_exact * (exact - run.logp)).sum(axis=-1), 0.0)
+            logp = run.logp[scored]
+            kl = np.maximum((p_exact * (exact - logp)).sum(axis=-1), 0.0)
             t = totals[choice.name]
             t["kl"] += float(kl.sum())
             t["kl_max"] = max(t["kl_max"], float(kl.max()))
-            t["agree"] += int((run.logp.argmax(-1) == exact.argmax(-1)).sum())
-            t["nll"] -= float(run.logp[np.arange(targets.size), targets].sum())
+            t["agree"] += int((logp.argmax(-1) == exact.argmax(-1)).sum())
+            t["nll"] -= float(logp[np.arange(targets.size), targets].sum())
             t["seconds"] += run.seconds
             t["evicted"] += run.evicted
             if run.peak_tokens > t["peak_tokens"]:

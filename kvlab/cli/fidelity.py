@@ -13,6 +13,7 @@ import json
 import time
 from pathlib import Path
 
+from rich.console import Console
 from rich.table import Table
 
 from kvlab.cli.fmt import console, human_bytes
@@ -72,7 +73,10 @@ def run(args: argparse.Namespace) -> int:
                           "context": args.context or model.config.max_position_embeddings,
                           "rows": [r.to_dict() for r in rows]}, indent=2))
         return 0
-    console().print(table(rows, f"fidelity vs the exact cache: {folder.name}, {rows[0].tokens:,} tokens"))
+    out = console()
+    if not out.is_terminal:  # nine columns do not fit the 80-column default of pipes and logs
+        out = Console(highlight=False, width=120)
+    out.print(table(rows, f"fidelity vs the exact cache: {folder.name}, {rows[0].tokens:,} tokens"))
     return 0
 
 
@@ -82,7 +86,7 @@ def table(rows: list[FidelityRow], title: str) -> Table:
     for name, justify in [("cache", "left"), ("KL mean", "right"), ("KL max", "right"), ("top-1", "right"),
                           ("ppl", "right"), ("Δppl", "right"), ("B/token", "right"), ("peak", "right"),
                           ("tok/s", "right")]:
-        t.add_column(name, justify=justify)
+        t.add_column(name, justify=justify, no_wrap=True)
     for r in rows:
         t.add_row(r.name, f"{r.kl_mean:.2e}", f"{r.kl_max:.2e}", f"{100 * r.top1_agreement:.2f}%",
                   f"{r.perplexity:.3f}", f"{100 * r.perplexity_change:+.2f}%",
