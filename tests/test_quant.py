@@ -188,3 +188,17 @@ def test_from_arrays_quantizes_into_the_requested_format():
     q = KVCache.from_arrays(model.cache_spec, keys, values, cache.positions, kv_dtype="int8")
     assert q.quantized and q.get_seq_length() == 19
     assert np.abs(q[1][0] - keys[1]).max() <= np.ptp(keys[1]) / 255
+
+
+def test_kvlab_memory_formula_counts_the_scales_a_live_cache_holds():
+    from kvlab.cache.memory import kv_bytes_per_token, kv_scale_bytes_per_token, tokens_in_budget
+
+    model = _model()
+    cache = model.new_cache(kv_dtype="int4")
+    model.forward(np.arange(1, 41)[None], cache=cache)
+    report = cache.memory_report()
+    assert report.scale_bytes == 40 * kv_scale_bytes_per_token(model.config, "int4")
+    assert report.payload_bytes == 40 * kv_bytes_per_token(model.config, "int4")
+    per_token = (report.payload_bytes + report.scale_bytes) / 40
+    assert tokens_in_budget(model.config, int(per_token * 100), 1, "int4") == 100
+    assert kv_scale_bytes_per_token(model.config, "float16") == kv_scale_bytes_per_token(model.config, "fp8") == 0

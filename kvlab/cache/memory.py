@@ -33,6 +33,16 @@ def kv_bytes_per_token(config: ModelConfig, dtype: str = "float64") -> float:
         DTYPE_BYTES[canonical_dtype(dtype)]
 
 
+def kv_scale_bytes_per_token(config: ModelConfig, dtype: str = "float64") -> float:
+    """Metadata bytes one cached position adds for a quantized dtype: int8/int4 keep a float16 scale and
+    zero per group of 32 values along head_dim (one group per head when head_dim is not a multiple of 32),
+    as kvlab/cache/quantized.py stores them; float dtypes and fp8 (a plain cast) keep none."""
+    if canonical_dtype(dtype) not in ("int8", "int4"):
+        return 0.0
+    group = 32 if config.head_dim % 32 == 0 else config.head_dim
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * (config.head_dim // group) * 2 * 2
+
+
 def kv_payload_bytes(config: ModelConfig, num_tokens: int, batch_size: int = 1,
                      dtype: str = "float64") -> float:
     """2 * L * B * H_kv * T * d * b."""
@@ -41,8 +51,9 @@ def kv_payload_bytes(config: ModelConfig, num_tokens: int, batch_size: int = 1,
 
 def tokens_in_budget(config: ModelConfig, budget_bytes: int, batch_size: int = 1,
                      dtype: str = "float64") -> int:
-    """How many positions per sequence fit in `budget_bytes` of K/V payload at this batch size."""
-    return int(budget_bytes // (kv_bytes_per_token(config, dtype) * batch_size))
+    """How many positions per sequence fit in `budget_bytes` of K/V (payload and scales) at this batch size."""
+    per_token = kv_bytes_per_token(config, dtype) + kv_scale_bytes_per_token(config, dtype)
+    return int(budget_bytes // (per_token * batch_size))
 
 
 @dataclass(frozen=True)
