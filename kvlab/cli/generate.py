@@ -140,7 +140,8 @@ class TextStream:
             prompt_tokens=prompt_tokens, computed_prompt_tokens=computed_prompt_tokens,
             prefill_seconds=(self.first_token_at - self.started) if self.tokens else 0.0,
             new_tokens=len(self.tokens), decode_seconds=self.last_token_at - self.first_token_at,
-            cache_tokens=cache.get_seq_length(), cache_bytes=report.payload_bytes, cache_dtype=report.dtype,
+            cache_tokens=cache.get_seq_length(), cache_bytes=report.payload_bytes + report.scale_bytes,
+            cache_dtype=report.dtype,
             stop_reason=stop_reason)
 
 
