@@ -119,6 +119,32 @@ def unpack_int4(packed: np.ndarray) -> np.ndarray:
     return out
 
 
+# --- whole rows: what the stores call --------------------------------------------------------------------
+def encode_rows(x: np.ndarray, fmt: QuantFormat, group: int) -> tuple[np.ndarray, np.ndarray | None,
+                                                                       np.ndarray | None]:
+    """Rows [..., d] grouped per `group` values along d: (codes [..., d or d/2], scale, zero [..., d/group]);
+    fp8 returns (codes, None, None)."""
+    if fmt.is_float:
+        return quantize_fp8(x, fmt.name), None, None
+    shape = x.shape
+    codes, scale, zero = quantize_int(x.reshape(*shape[:-1], shape[-1] // group, group), fmt.bits)
+    codes = codes.reshape(shape)
+    return (pack_int4(codes) if fmt.bits == 4 else codes), scale[..., 0], zero[..., 0]
+
+
+def decode_rows(codes: np.ndarray, scale: np.ndarray | None, zero: np.ndarray | None, fmt: QuantFormat,
+                group: int, dtype: np.dtype) -> np.ndarray:
+    """The inverse of encode_rows, in `dtype`."""
+    if fmt.is_float:
+        return codes.astype(dtype)
+    if fmt.bits == 4:
+        codes = unpack_int4(codes)
+    shape = codes.shape
+    out = dequantize_int(codes.reshape(*shape[:-1], shape[-1] // group, group), scale[..., None],
+                         zero[..., None], dtype)
+    return out.reshape(shape)
+
+
 # --- fp8 ----------------------------------------------------------------------------------------------------
 def quantize_fp8(x: np.ndarray, name: str) -> np.ndarray:
     """Cast to fp8, saturating at the largest finite value (ml_dtypes would turn overflow into NaN/inf)."""

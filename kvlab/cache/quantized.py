@@ -18,8 +18,9 @@ from __future__ import annotations
 import numpy as np
 
 from kvlab.cache.contiguous import MIN_CAPACITY
-from kvlab.cache.quant import (QuantFormat, dequantize_int, pack_int4, quantize_fp8, quantize_int,
-                               unpack_int4, FP8_DTYPES, SCALE_DTYPE)
+from kvlab.cache.quant import (FP8_DTYPES, SCALE_DTYPE, QuantFormat, decode_rows, dequantize_int,
+                               encode_rows, pack_int4, quantize_int, unpack_int4)
+from kvlab.errors import InputError
 
 
 class _TokenCodes:
@@ -53,28 +54,14 @@ class _TokenCodes:
 
     def write(self, start: int, x: np.ndarray) -> None:
         end = start + x.shape[2]
-        if self.fmt.is_float:
-            self.codes[:, :, start:end] = quantize_fp8(x, self.fmt.name)
-            return
-        batch, heads, num, dim = x.shape
-        codes, scale, zero = quantize_int(x.reshape(batch, heads, num, dim // self.group, self.group),
-                                          self.fmt.bits)
-        codes = codes.reshape(batch, heads, num, dim)
-        self.codes[:, :, start:end] = pack_int4(codes) if self.fmt.bits == 4 else codes
-        self.scale[:, :, start:end] = scale[..., 0]
-        self.zero[:, :, start:end] = zero[..., 0]
+        codes, scale, zero = encode_rows(x, self.fmt, self.group)
+        self.codes[:, :, start:end] = codes
+        if scale is not None:
+            self.scale[:, :, start:end], self.zero[:, :, start:end] = scale, zero
 
     def read(self, length: int) -> np.ndarray:
-        codes = self.codes[:, :, :length]
-        if self.fmt.is_float:
-            return codes.astype(self.dtype)
-        if self.fmt.bits == 4:
-            codes = unpack_int4(codes)
-        batch, heads, _, dim = self.shape[0], self.shape[1], length, self.shape[2]
-        grouped = codes.reshape(batch, heads, length, dim // self.group, self.group)
-        out = dequantize_int(grouped, self.scale[:, :, :length, :, None], self.zero[:, :, :length, :, None],
-                             self.dtype)
-        return out.reshape(batch, heads, length, dim)
+        return decode_rows(self.codes[:, :, :length], self.scale[:, :, :length], self.zero[:, :, :length],
+                           self.fmt, self.group, self.dtype)
 
     def copy(self, length: int, capacity: int) -> "_TokenCodes":
         clone = _TokenCodes(self.fmt, self.shape, self.dtype, capacity)
@@ -222,3 +209,52 @@ class QuantizedStore:
             p, s = codes.nbytes(length)
             payload, scales = payload + p, scales + s
         return payload, scales
+
+
+class QuantizedBlocks:
+    """One layer's keys or values in a block pool (kvlab/cache/paged.py), per token and head in a QuantFormat.
+
+    Codes [num_blocks, H_kv, block_size, d or d/2] plus float16 scale and zero per token, head and group,
+    so a block is self-contained: sharing, copy-on-write and prefix hits move whole rows with their scales.
+    Per-channel key grouping would tie a block's scales to every token in it and is refused here.
+    `shape` is the logical [num_blocks, H_kv, block_size, d]; reads dequantize to `dtype`.
+    """
+
+    def __init__(self, fmt: QuantFormat, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
+                 dtype: np.dtype) -> None:
+        if fmt.key_grouping == "channel" and not fmt.is_float:
+            raise InputError(f"the block pool stores {fmt.name.split('-')[0]} per token and head; per-channel "
+                             f"key groups ({fmt.name}) are only available in the contiguous cache")
+        self.fmt, self.dtype = fmt, np.dtype(dtype)
+        self.shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        self.group = fmt.group_size if head_dim % fmt.group_size == 0 else head_dim
+        codes_dtype = FP8_DTYPES[fmt.name] if fmt.is_float else np.dtype(np.uint8)
+        self.codes = np.zeros(self.shape[:3] + (head_dim // 2 if fmt.bits == 4 else head_dim,), codes_dtype)
+        groups = 0 if fmt.is_float else head_dim // self.group
+        self.scale = np.zeros(self.shape[:3] + (groups,), SCALE_DTYPE)
+        self.zero = np.zeros_like(self.scale)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scale.nbytes + self.zero.nbytes
+
+    def write(self, blocks: np.ndarray, rows: np.ndarray, x: np.ndarray) -> None:
+        """Store rows x [N, H_kv, d] at (blocks[i], rows[i])."""
+        codes, scale, zero = encode_rows(x, self.fmt, self.group)
+        self.codes[blocks, :, rows] = codes
+        if scale is not None:
+            self.scale[blocks, :, rows], self.zero[blocks, :, rows] = scale, zero
+
+    def gather(self, block_tables: np.ndarray, length: int) -> np.ndarray:
+        """The first `length` positions of each row's blocks, dequantized: [B, H_kv, length, d]."""
+        def take(array: np.ndarray) -> np.ndarray:
+            picked = array[block_tables]  # [B, M, H, block_size, k]
+            b, m, h, size, k = picked.shape
+            return picked.transpose(0, 2, 1, 3, 4).reshape(b, h, m * size, k)[:, :, :length]
+
+        return decode_rows(take(self.codes), take(self.scale), take(self.zero), self.fmt, self.group,
+                           self.dtype)
+
+    def copy_rows(self, src: int, dst: int, num_tokens: int) -> None:
+        for array in (self.codes, self.scale, self.zero):
+            array[dst, :, :num_tokens] = array[src, :, :num_tokens]
