@@ -114,15 +114,16 @@ class KVCache:
         """Payload (codes or rows), scale bytes of quantized caches, and the position ids, as metadata."""
         if isinstance(self.store, QuantizedStore):
             payload, scales = self.store.nbytes(self._length)
+            moved = self.store.moved_bytes()
         else:
             payload = 2 * len(self) * self.batch_size * self.spec.num_kv_heads * self._length \
                 * self.spec.head_dim * self.dtype.itemsize
-            scales = 0
+            scales = moved = 0
         return MemoryReport(
             num_layers=len(self), batch_size=self.batch_size, num_tokens=self._length,
             capacity_tokens=self.store.capacity_tokens, dtype=self.dtype.name,
             payload_bytes=payload, capacity_bytes=self.store.capacity_bytes,
-            metadata_bytes=self._positions.nbytes + scales, scale_bytes=scales)
+            metadata_bytes=self._positions.nbytes + scales + moved, scale_bytes=scales)
 
     # --- what the model calls ----------------------------------------------------------------------------
     def check_compatible(self, spec: CacheSpec, batch_size: int) -> None:
@@ -194,6 +195,11 @@ class KVCache:
         if delta.any() and rotate_keys is None:
             raise InputError("moving cached keys to new positions needs rotate_keys (keys are stored "
                              "after RoPE)")
+        if isinstance(self.store, QuantizedStore) and self.store.can_keep_rows:
+            self.store.keep_rows(rows, delta, rotate_keys)  # codes kept as they are: see keep_rows
+            self._positions[: rows.size] = new
+            self._length = int(rows.size)
+            return
         kept = []
         for layer in range(len(self)):
             keys, values = self.store.read(layer, self._length)
