@@ -232,3 +232,34 @@ def test_cache_choices_combine_a_dtype_and_a_policy():
                          ("window:4+sinks:1:3", "two policies"), ("int8+", "empty part")]:
         with pytest.raises(InputError, match=message):
             parse_cache_choice(bad, 64)
+
+
+# --- the CLI ---------------------------------------------------------------------------------------------
+def kvlab_generate(*args):
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-m", "kvlab", "generate", *args], capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_generate_cli_keeps_writing_past_the_context_with_a_context_shift():
+    out = kvlab_generate("ROMEO:", "-n", "300", "--temperature", "0", "--ignore-eos", "--context-shift",
+                         "--keep", "2")
+    assert out.returncode == 0, out.stderr
+    assert "decode 300 tokens" in out.stderr and "stop: max tokens" in out.stderr
+    plain = kvlab_generate("ROMEO:", "-n", "300", "--temperature", "0", "--ignore-eos")
+    assert "stop: context full" in plain.stderr  # without the flag the 256-token context ends it
+    assert out.stdout.startswith(plain.stdout.rstrip("\n")[:200])  # identical until the first shift
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--context-shift", "--keep", "-5"], "--keep must be >= 0"),
+    (["--cache-policy", "window:0"], "window size W must be >= 1"),
+    (["--cache-policy", "window:300"], "context is 256"),
+    (["--context-shift", "--cache-policy", "window:8"], "not both"),
+    (["--cache-policy", "sinks:4:60", "--prompt-cache", "x.kvlab"], "cannot be combined"),
+])
+def test_generate_cli_refuses_bad_policy_flags(args, message, tmp_path):
+    out = kvlab_generate("ROMEO:", "-n", "4", *[str(tmp_path / a) if a.endswith(".kvlab") else a for a in args])
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert not list(tmp_path.iterdir())
