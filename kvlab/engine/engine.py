@@ -98,7 +98,7 @@ class Engine:
         self.eos_token_ids = frozenset(int(i) for i in (eos if eos else config.eos_token_ids))
         self._requests: dict[str, Request] = {}     # unfinished
         self._pending: dict[str, RequestOutput] = {}  # to report at the next step (aborts, stashed)
-        self._roots: dict[bytes, str | None] = {}
+        self._roots: set[bytes] = set()  # chain roots seen: a block whose parent is one starts a chain
         self._ids = itertools.count()
         self._counts = {"num_prompt_tokens": 0, "num_generation_tokens": 0, "num_computed_tokens": 0,
                         "num_prefill_tokens": 0, "num_steps": 0}
@@ -137,17 +137,15 @@ class Engine:
         if self.tokenizer is not None:
             for seq in request.seqs:
                 seq.decoder = self.tokenizer.stream_decoder(ids)
-        self._roots.setdefault(root, cache_salt)
         return request
 
     def _prompt_ids(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InputError("a text prompt needs a tokenizer: pass Engine(model, tokenizer) or token ids")
-            ids = list(self.tokenizer.encode(prompt))
-            if not ids:
+            prompt = list(self.tokenizer.encode(prompt))
+            if not prompt:
                 raise InputError("the prompt is empty: it encodes to no tokens")
-            return ids
         if isinstance(prompt, np.ndarray) and prompt.ndim != 1:
             raise InputError(f"a prompt must be a 1-D list of token ids, got shape {prompt.shape}")
         if not isinstance(prompt, (list, tuple, np.ndarray)):
@@ -165,6 +163,7 @@ class Engine:
 
     def _enqueue(self, request: Request) -> None:
         self._requests[request.request_id] = request
+        self._roots.add(request.root_key)
         self.scheduler.add(request.seqs[0])
         self._counts["num_prompt_tokens"] += request.num_prompt_tokens
 
@@ -196,13 +195,16 @@ class Engine:
             for row, seq in enumerate(sampled):
                 self._append_tokens(seq, logits[row])
                 progressed[seq.request.request_id] = seq.request
-        outputs = dict(self._pending)
+        # Held outputs first (aborts, and others' outputs kept by generate), unless superseded by a newer
+        # output of the same request; an aborted id that was reused reports both requests.
+        outputs = [out for request_id, out in self._pending.items()
+                   if out.finished or request_id not in progressed]
         self._pending.clear()
         for request_id, request in progressed.items():
-            outputs[request_id] = request.output()
+            outputs.append(request.output())
             if request.finished():
                 self._requests.pop(request_id, None)
-        return list(outputs.values())
+        return outputs
 
     def _run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[np.ndarray, list[Sequence]]:
         """One batched forward over every scheduled token; logits of the sequences that reach their end."""
