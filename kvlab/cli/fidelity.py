@@ -50,6 +50,11 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--max-tokens must be >= 0, got {args.max_tokens}")
     choices = [c.strip() for entry in (args.policies or [",".join(DEFAULT_CHOICES)])
                for c in entry.split(",") if c.strip()]
+    if args.plot:  # refuse before the long run, not after it
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise InputError("--plot needs matplotlib: pip install 'kvlab[plot]'") from None
     model, tokenizer = kvlab.load(args.model, dtype=args.dtype)
     folder = Path(args.model) if args.model else kvlab.hf.DEFAULT_MODEL_DIR
     text_path = Path(args.text) if args.text else folder / "validation.txt"
