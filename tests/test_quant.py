@@ -202,3 +202,17 @@ def test_kvlab_memory_formula_counts_the_scales_a_live_cache_holds():
     per_token = (report.payload_bytes + report.scale_bytes) / 40
     assert tokens_in_budget(model.config, int(per_token * 100), 1, "int4") == 100
     assert kv_scale_bytes_per_token(model.config, "float16") == kv_scale_bytes_per_token(model.config, "fp8") == 0
+
+
+def test_kvlab_memory_cli_shows_scales_as_metadata():
+    import json
+    import subprocess
+    import sys
+
+    run = [sys.executable, "-m", "kvlab", "memory", "--config", "kvlab/models/shakespeare", "--tokens", "256"]
+    out = json.loads(subprocess.run(run + ["--dtype", "int8", "--json"], capture_output=True, text=True,
+                                    check=True).stdout)
+    assert out["bytes_per_token"] == 512 and out["scale_bytes_per_token"] == 64  # 36/128 of float32's 2048
+    assert out["scale_bytes_per_token_by_dtype"]["float32"] == 0
+    text = subprocess.run(run + ["--dtype", "int4-channel"], capture_output=True, text=True, check=True).stdout
+    assert "scales" in text and "64 bytes per token" in text
