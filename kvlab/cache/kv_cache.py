@@ -7,7 +7,7 @@ It keeps the bookkeeping that is the same for every storage layout: the committe
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -15,6 +15,8 @@ from kvlab import validate
 from kvlab.cache.base import CacheSpec, KVStore
 from kvlab.cache.contiguous import MIN_CAPACITY, ContiguousStore
 from kvlab.cache.memory import MemoryReport
+from kvlab.cache.quant import QUANT_NAMES, QuantFormat, parse_quant_format
+from kvlab.cache.quantized import QuantizedStore
 from kvlab.errors import CacheMismatchError, InputError
 
 try:  # bfloat16 storage for caches; optional at import time, required to use it
@@ -24,10 +26,17 @@ except ImportError:  # pragma: no cover
     _BFLOAT16 = None
 
 
-def resolve_kv_dtype(kv_dtype: object, compute_dtype: np.dtype) -> np.dtype:
-    """Map a name ("float16", "bf16", ...) or dtype to the NumPy dtype cached rows are stored in."""
+# Every `kv_cache_dtype` name the API and CLI flags accept (plus dtype objects and a few aliases).
+KV_CACHE_DTYPES = ("float32", "float16", "bfloat16", "float64", "fp32", "fp16", "bf16", "fp64") + QUANT_NAMES
+
+
+def resolve_kv_dtype(kv_dtype: object, compute_dtype: np.dtype) -> np.dtype | QuantFormat:
+    """Map a name ("float16", "bf16", "int8", "fp8_e5m2", ...) or dtype to how cached rows are stored:
+    a NumPy dtype for float caches, a QuantFormat for quantized ones (kvlab/cache/quant.py)."""
     if kv_dtype is None:
         return np.dtype(compute_dtype)
+    if isinstance(kv_dtype, QuantFormat):
+        return kv_dtype
     name = str(getattr(kv_dtype, "__name__", kv_dtype)).lower()
     name = {"fp64": "float64", "fp32": "float32", "fp16": "float16", "half": "float16",
             "bf16": "bfloat16"}.get(name, name)
@@ -35,7 +44,11 @@ def resolve_kv_dtype(kv_dtype: object, compute_dtype: np.dtype) -> np.dtype:
         return _BFLOAT16
     if name in ("float64", "float32", "float16"):
         return np.dtype(name)
-    raise InputError(f"unsupported KV cache dtype {kv_dtype!r}: choose float64, float32, float16 or bfloat16")
+    quantized = parse_quant_format(name.replace("_", "-") if name.startswith("int") else name)
+    if quantized is not None:
+        return quantized
+    raise InputError(f"unsupported KV cache dtype {kv_dtype!r}: choose float64, float32, float16, bfloat16, "
+                     "int8, int4, fp8_e4m3 or fp8_e5m2")
 
 
 class KVCache:
@@ -53,6 +66,9 @@ class KVCache:
         self.dtype = resolve_kv_dtype(kv_dtype, spec.compute_dtype)
         capacity = validate.int_in_range(capacity, "capacity", 0)
         try:
+            if store is None and isinstance(self.dtype, QuantFormat):
+                store = QuantizedStore(spec.num_layers, self.batch_size, spec.num_kv_heads, spec.head_dim,
+                                       self.dtype, spec.compute_dtype, capacity)
             self.store: KVStore = store if store is not None else ContiguousStore(
                 spec.num_layers, self.batch_size, spec.num_kv_heads, spec.head_dim, self.dtype, capacity)
         except (MemoryError, ValueError) as exc:  # NumPy: out of memory, or "array is too big"
@@ -60,6 +76,14 @@ class KVCache:
                              f"({type(exc).__name__}: {exc})") from None
         self._positions = np.zeros(max(self.store.capacity_tokens, 1), dtype=np.int64)
         self._length = 0
+        # Called by the model after each layer's attention as observer(layer, q, k, mask), when set
+        # (H2O's heavy-hitter scores, kvlab/policies/h2o.py); None keeps the fast decode path.
+        self.observer = None
+
+    @property
+    def quantized(self) -> bool:
+        """True when rows are stored as int8/int4/fp8 codes (reads return dequantized copies)."""
+        return isinstance(self.dtype, QuantFormat)
 
     # --- the read-only surface -------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -93,14 +117,19 @@ class KVCache:
         return self.spec.fingerprint
 
     def memory_report(self) -> MemoryReport:
-        itemsize = self.dtype.itemsize
-        payload = 2 * len(self) * self.batch_size * self.spec.num_kv_heads * self._length \
-            * self.spec.head_dim * itemsize
+        """Payload (codes or rows), scale bytes of quantized caches, and the position ids, as metadata."""
+        if isinstance(self.store, QuantizedStore):
+            payload, scales = self.store.nbytes(self._length)
+            moved = self.store.moved_bytes()
+        else:
+            payload = 2 * len(self) * self.batch_size * self.spec.num_kv_heads * self._length \
+                * self.spec.head_dim * self.dtype.itemsize
+            scales = moved = 0
         return MemoryReport(
             num_layers=len(self), batch_size=self.batch_size, num_tokens=self._length,
             capacity_tokens=self.store.capacity_tokens, dtype=self.dtype.name,
             payload_bytes=payload, capacity_bytes=self.store.capacity_bytes,
-            metadata_bytes=self._positions.nbytes)
+            metadata_bytes=self._positions.nbytes + scales + moved, scale_bytes=scales)
 
     # --- what the model calls ----------------------------------------------------------------------------
     def check_compatible(self, spec: CacheSpec, batch_size: int) -> None:
@@ -149,6 +178,45 @@ class KVCache:
         if not 0 <= n <= self._length:
             raise InputError(f"cannot crop a cache of {self._length} tokens to {max_length}")
         self._length = n
+
+    def retain(self, rows: Sequence[int], positions: Sequence[int] | None = None,
+               rotate_keys: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> None:
+        """Keep only the cached rows `rows` (ascending indices), now at absolute `positions`.
+
+        What eviction policies call (kvlab/policies/). When a row's position changes by delta, its key
+        (stored after RoPE) must be rotated by delta too: `rotate_keys(keys [B, H_kv, n, d], delta [n])`
+        does it, as the model's RoPE is not known down here. Validated before anything changes; every
+        layer's kept rows are computed before the first one is written.
+        """
+        rows = np.asarray(rows)
+        if rows.ndim != 1 or rows.dtype.kind not in "iu" or (rows.size and (
+                rows.min() < 0 or rows.max() >= self._length or np.any(np.diff(rows) <= 0))):
+            raise InputError(f"rows to keep must be ascending distinct indices in [0, {self._length}), "
+                             f"got {rows.tolist() if rows.size < 20 else rows.shape}")
+        old = self._positions[rows]
+        new = old if positions is None else np.asarray(positions)
+        if new.shape != rows.shape or new.dtype.kind not in "iu" or (new.size and new.min() < 0):
+            raise InputError(f"need {rows.size} non-negative int positions for the kept rows")
+        delta = new - old
+        if delta.any() and rotate_keys is None:
+            raise InputError("moving cached keys to new positions needs rotate_keys (keys are stored "
+                             "after RoPE)")
+        if isinstance(self.store, QuantizedStore) and self.store.can_keep_rows:
+            self.store.keep_rows(rows, delta, rotate_keys)  # codes kept as they are: see keep_rows
+            self._positions[: rows.size] = new
+            self._length = int(rows.size)
+            return
+        kept = []
+        for layer in range(len(self)):
+            keys, values = self.store.read(layer, self._length)
+            keys, values = keys[:, :, rows], values[:, :, rows]
+            if delta.any():
+                keys = rotate_keys(keys, delta)
+            kept.append((keys, values))
+        for layer, (keys, values) in enumerate(kept):
+            self.store.write(layer, 0, keys, values)
+        self._positions[: rows.size] = new
+        self._length = int(rows.size)
 
     @classmethod
     def from_arrays(cls, spec: CacheSpec, keys: Sequence[np.ndarray], values: Sequence[np.ndarray],

@@ -18,7 +18,8 @@ DTYPE_BYTES: dict[str, float] = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1, "int4": 0.5,
 }
 DTYPE_ALIASES = {"fp64": "float64", "fp32": "float32", "fp16": "float16", "half": "float16",
-                 "bf16": "bfloat16", "float8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
+                 "bf16": "bfloat16", "float8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8",
+                 "int8-token": "int8", "int8-channel": "int8", "int4-token": "int4", "int4-channel": "int4"}
 
 def canonical_dtype(name: str) -> str:
     key = DTYPE_ALIASES.get(str(name).lower(), str(name).lower())
@@ -33,6 +34,16 @@ def kv_bytes_per_token(config: ModelConfig, dtype: str = "float64") -> float:
         DTYPE_BYTES[canonical_dtype(dtype)]
 
 
+def kv_scale_bytes_per_token(config: ModelConfig, dtype: str = "float64") -> float:
+    """Metadata bytes one cached position adds for a quantized dtype: int8/int4 keep a float16 scale and
+    zero per group of 32 values along head_dim (one group per head when head_dim is not a multiple of 32),
+    as kvlab/cache/quantized.py stores them; float dtypes and fp8 (a plain cast) keep none."""
+    if canonical_dtype(dtype) not in ("int8", "int4"):
+        return 0.0
+    group = 32 if config.head_dim % 32 == 0 else config.head_dim
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * (config.head_dim // group) * 2 * 2
+
+
 def kv_payload_bytes(config: ModelConfig, num_tokens: int, batch_size: int = 1,
                      dtype: str = "float64") -> float:
     """2 * L * B * H_kv * T * d * b."""
@@ -41,8 +52,9 @@ def kv_payload_bytes(config: ModelConfig, num_tokens: int, batch_size: int = 1,
 
 def tokens_in_budget(config: ModelConfig, budget_bytes: int, batch_size: int = 1,
                      dtype: str = "float64") -> int:
-    """How many positions per sequence fit in `budget_bytes` of K/V payload at this batch size."""
-    return int(budget_bytes // (kv_bytes_per_token(config, dtype) * batch_size))
+    """How many positions per sequence fit in `budget_bytes` of K/V (payload and scales) at this batch size."""
+    per_token = kv_bytes_per_token(config, dtype) + kv_scale_bytes_per_token(config, dtype)
+    return int(budget_bytes // (per_token * batch_size))
 
 
 @dataclass(frozen=True)
@@ -56,7 +68,8 @@ class MemoryReport:
     dtype: str
     payload_bytes: int
     capacity_bytes: int
-    metadata_bytes: int
+    metadata_bytes: int   # position ids, plus the scales of a quantized cache
+    scale_bytes: int = 0  # the quantized cache's scales and zero points (already in metadata_bytes)
 
     @property
     def total_bytes(self) -> int:

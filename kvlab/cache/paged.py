@@ -23,6 +23,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from kvlab.cache.quant import QuantFormat
+from kvlab.cache.quantized import QuantizedBlocks
 from kvlab.errors import InputError
 
 
@@ -31,12 +33,18 @@ def write_slots(key_cache: np.ndarray, value_cache: np.ndarray, slot_mapping: np
     """Store keys/values [N, H_kv, d] at global slots [N] (slot = block * block_size + row) of one layer."""
     block_size = key_cache.shape[2]
     blocks, rows = np.divmod(slot_mapping, block_size)
+    if isinstance(key_cache, QuantizedBlocks):  # int8/int4/fp8 pool: quantize rows as they are written
+        key_cache.write(blocks, rows, keys)
+        value_cache.write(blocks, rows, values)
+        return
     key_cache[blocks, :, rows] = keys
     value_cache[blocks, :, rows] = values
 
 
 def gather_blocks(cache: np.ndarray, block_tables: np.ndarray, length: int) -> np.ndarray:
     """The first `length` positions of each row's blocks as one contiguous [B, H_kv, length, d] array."""
+    if isinstance(cache, QuantizedBlocks):  # dequantized to the pool's read dtype
+        return cache.gather(block_tables, length)
     gathered = cache[block_tables]  # [B, M, H_kv, block_size, d]
     batch, num_blocks, heads, block_size, dim = gathered.shape
     return gathered.transpose(0, 2, 1, 3, 4).reshape(batch, heads, num_blocks * block_size, dim)[:, :, :length]
@@ -54,18 +62,23 @@ class CachedBlock:
 class BlockPool:
     """Fixed-size K/V blocks for all layers, a free list, ref counts and an LRU of evictable cached blocks."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: np.dtype,
-                 block_size: int, num_blocks: int) -> None:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: np.dtype | QuantFormat,
+                 block_size: int, num_blocks: int, compute_dtype: np.dtype = np.float32) -> None:
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("block_size", block_size), ("num_blocks", num_blocks)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise InputError(f"{name} must be a positive int, got {value!r}")
         self.block_size = int(block_size)
         self.num_blocks = int(num_blocks)
-        self.dtype = np.dtype(dtype)
         shape = (self.num_blocks, int(num_kv_heads), self.block_size, int(head_dim))
-        self.key_cache = [np.zeros(shape, dtype=self.dtype) for _ in range(num_layers)]
-        self.value_cache = [np.zeros(shape, dtype=self.dtype) for _ in range(num_layers)]
+        if isinstance(dtype, QuantFormat):  # codes + scales per block (cache/quantized.py), read in compute_dtype
+            self.dtype, self.read_dtype = dtype, np.dtype(compute_dtype)
+            self.key_cache = [QuantizedBlocks(dtype, *shape, self.read_dtype) for _ in range(num_layers)]
+            self.value_cache = [QuantizedBlocks(dtype, *shape, self.read_dtype) for _ in range(num_layers)]
+        else:
+            self.dtype = self.read_dtype = np.dtype(dtype)
+            self.key_cache = [np.zeros(shape, dtype=self.dtype) for _ in range(num_layers)]
+            self.value_cache = [np.zeros(shape, dtype=self.dtype) for _ in range(num_layers)]
         self.ref_counts = [0] * self.num_blocks
         self._free: deque[int] = deque(range(self.num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 and cached, LRU first
@@ -93,7 +106,7 @@ class BlockPool:
 
     @property
     def bytes_per_block(self) -> int:
-        return 2 * len(self.key_cache) * self.key_cache[0][0].nbytes if self.key_cache else 0
+        return 2 * len(self.key_cache) * (self.key_cache[0].nbytes // self.num_blocks) if self.key_cache else 0
 
     @property
     def capacity_bytes(self) -> int:
@@ -160,7 +173,10 @@ class BlockPool:
         """Copy the first `num_tokens` rows of block `src` into `dst` in every layer (copy-on-write)."""
         for arrays in (self.key_cache, self.value_cache):
             for layer in arrays:
-                layer[dst, :, :num_tokens] = layer[src, :, :num_tokens]
+                if isinstance(layer, QuantizedBlocks):
+                    layer.copy_rows(src, dst, num_tokens)
+                else:
+                    layer[dst, :, :num_tokens] = layer[src, :, :num_tokens]
 
     # --- what the prefix cache registers ---------------------------------------------------------------------
     def register(self, block: int, key: bytes, parent: bytes | None, token_ids: Sequence[int]) -> bool:
@@ -204,7 +220,7 @@ class PagedStore:
     def __init__(self, pool: BlockPool, block_table: Sequence[int] = ()) -> None:
         self.pool = pool
         self.block_table = list(block_table)
-        self.dtype = pool.dtype
+        self.dtype = pool.read_dtype
 
     @property
     def capacity_tokens(self) -> int:

@@ -48,7 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_sampling_flags(p)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (reply i uses seed + i; default 0)")
     p.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", default=None,
-                   help="cache dtype: float64, float32, float16, bfloat16 (default: the model's)")
+                   help="cache dtype: float64, float32, float16, bfloat16, int8, int4, fp8_e4m3, fp8_e5m2 "
+                        "(default: the model's; quantized caches cannot be /save'd)")
     p.add_argument("--system", default=None, help="a system message (plain continuation: leading text)")
     p.add_argument("--history", metavar="FILE", default=None, help="keep readline history in FILE (TTY)")
     p.set_defaults(run=run)

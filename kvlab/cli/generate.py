@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TextIO
 
-from kvlab.cache.kv_cache import KVCache
+from kvlab.cache.kv_cache import KV_CACHE_DTYPES, KVCache
 from kvlab.cli.checks import check_sampling_flags
 from kvlab.cli.fmt import human_bytes, read_stdin
 from kvlab.cli.sampling_flags import add_sampling_flags, sampling_settings
@@ -38,8 +38,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_sampling_flags(p)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0: runs are reproducible)")
     p.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", default=None,
-                   choices=["float32", "float16", "bfloat16", "float64", "fp32", "fp16", "bf16", "fp64"],
-                   help="KV cache storage dtype (default: the compute dtype)")
+                   choices=KV_CACHE_DTYPES, metavar="DTYPE",
+                   help="KV cache storage: float32, float16, bfloat16, float64, int8, int4, fp8_e4m3, "
+                        "fp8_e5m2 (default: the compute dtype)")
+    p.add_argument("--context-shift", action="store_true",
+                   help="when the context is full, keep --keep prompt tokens, drop the oldest half of the rest "
+                        "and go on (llama.cpp's context shift; off by default, as in llama.cpp)")
+    p.add_argument("--keep", type=int, default=0,
+                   help="with --context-shift: prompt tokens never discarded, after <bos> (-1 = all; default 0)")
+    p.add_argument("--cache-policy", metavar="SPEC", default=None,
+                   help="evict by a policy instead: window:W, sinks:S:W, shift:KEEP[:BUDGET], h2o:HEAVY:RECENT")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"],
                    help="compute dtype (default float32)")
     p.add_argument("--chat", action="store_true",
@@ -132,42 +140,47 @@ class TextStream:
             prompt_tokens=prompt_tokens, computed_prompt_tokens=computed_prompt_tokens,
             prefill_seconds=(self.first_token_at - self.started) if self.tokens else 0.0,
             new_tokens=len(self.tokens), decode_seconds=self.last_token_at - self.first_token_at,
-            cache_tokens=cache.get_seq_length(), cache_bytes=report.payload_bytes, cache_dtype=report.dtype,
+            cache_tokens=cache.get_seq_length(), cache_bytes=report.payload_bytes + report.scale_bytes,
+            cache_dtype=report.dtype,
             stop_reason=stop_reason)
 
 
 def generate_tokens(model: LlamaModel, prompt_ids: Sequence[int], on_token: Callable[[int], None], *,
                     cache: KVCache, max_tokens: int | None, stop_token_ids: Sequence[int] = (),
-                    **sampling: Any) -> tuple[int, str]:
+                    policy: Any = None, **sampling: Any) -> tuple[int, str]:
     """Generate after `prompt_ids`, calling `on_token` per new token; returns (prompt rows computed, why it
     stopped).
 
     `cache` may already hold a prefix of the prompt (e.g. restored from a file): only the rest is computed,
     but always at least the last prompt token, whose logits choose the first new token. `max_tokens=None`
-    runs to the end of the context. `sampling`: temperature, top_k, top_p, min_p, seed.
+    runs to the end of the context. `sampling`: temperature, top_k, top_p, min_p, seed. With a cache
+    `policy` (kvlab/policies/) the context never fills: None then runs until a stop token.
     """
     prompt = [int(t) for t in prompt_ids]
     context = model.config.max_position_embeddings
     if not prompt:
         raise InputError("the prompt is empty: there is nothing to continue")
-    if len(prompt) > context:
+    if len(prompt) > context and policy is None:
         raise ContextLengthError(f"the prompt is {len(prompt)} tokens but the model's context is {context} "
                                  "tokens (max_position_embeddings in config.json)")
     cached = min(cache.get_seq_length(), len(prompt) - 1)
     if cached < cache.get_seq_length():
         cache.crop(cached)
     room = context - len(prompt) + 1  # the last new token needs no position of its own
+    if policy is not None:  # evictions make room: no end of context
+        room = sys.maxsize if max_tokens is None or max_tokens < 0 else max_tokens
     limit = room if max_tokens is None or max_tokens < 0 else min(max_tokens, room)
     stop = set(int(t) for t in stop_token_ids)
     count, last = 0, None
     for step in stream_generate(model, [prompt[cached:]], limit, cache=cache, stop_token_ids=stop,
-                                **sampling):
+                                policy=policy, **sampling):
         last = int(step[0])
         count += 1
         on_token(last)
     if last is not None and last in stop:
         return len(prompt) - cached, "eos"
-    return len(prompt) - cached, ("context full" if limit == room and count == limit else "max tokens")
+    full = limit == room and count == limit and policy is None
+    return len(prompt) - cached, ("context full" if full else "max tokens")
 
 
 def encode_prompt(tokenizer: Any, text: str, chat: bool) -> list[int]:
@@ -177,6 +190,29 @@ def encode_prompt(tokenizer: Any, text: str, chat: bool) -> list[int]:
     if rendered is None:
         raise InputError("--chat: this model has no chat template (chat_template.jinja or tokenizer_config.json)")
     return tokenizer.encode(rendered, add_bos=False)
+
+
+def cache_policy(args: argparse.Namespace, model: LlamaModel, prompt: Sequence[int], tokenizer: Any) -> Any:
+    """The eviction policy the flags ask for, or None: --context-shift keeps <bos> plus --keep prompt
+    tokens (llama.cpp's n_keep) and discards half of the rest when the context is full."""
+    from kvlab.policies.parse import parse_policy
+    from kvlab.policies.shift import ContextShift
+
+    context = model.config.max_position_embeddings
+    if args.context_shift and args.cache_policy:
+        raise InputError("choose --context-shift or --cache-policy, not both")
+    if args.cache_policy:
+        return parse_policy(args.cache_policy, context)
+    if not args.context_shift:
+        return None
+    if args.keep < -1:
+        raise InputError(f"--keep must be >= 0, or -1 for the whole prompt (got {args.keep})")
+    bos = int(bool(prompt) and prompt[0] == getattr(tokenizer, "bos_token_id", None))
+    n_keep = len(prompt) if args.keep == -1 else min(len(prompt), args.keep + bos)
+    if n_keep >= context // 2:
+        raise InputError(f"--keep {args.keep} keeps {n_keep} tokens of a {context}-token context: keep fewer "
+                         "than half, so each shift frees room")
+    return ContextShift(n_keep, context)
 
 
 def stop_token_ids(model: LlamaModel, tokenizer: Any) -> list[int]:
@@ -195,10 +231,11 @@ def run(args: argparse.Namespace) -> int:
     resolved = sampling_settings(args, args.model)
     model, tokenizer = load(args.model, dtype=args.dtype)
     prompt = encode_prompt(tokenizer, text, args.chat)
+    policy = cache_policy(args, model, prompt, tokenizer)
     stop = [] if args.ignore_eos else stop_token_ids(model, tokenizer)
     max_tokens = None if args.max_tokens == -1 else args.max_tokens
     context = model.config.max_position_embeddings
-    capacity = min(context, len(prompt) + (max_tokens or context))
+    capacity = min(context, len(prompt) + (max_tokens or context), policy.budget if policy else context)
     cache = model.new_cache(1, kv_dtype=args.kv_dtype, capacity=capacity)
     stream = TextStream(tokenizer, prompt, sys.stdout, stop)
     if not (args.chat or args.no_display_prompt):
@@ -208,6 +245,9 @@ def run(args: argparse.Namespace) -> int:
     stream.start()
     sampling = dict(**resolved.values, seed=args.seed)
     try:
+        if args.prompt_cache and policy is not None:
+            raise InputError("--prompt-cache cannot be combined with --context-shift or --cache-policy: a "
+                             "shifted cache no longer matches the prompt's token prefix")
         if args.prompt_cache:  # a Session restored from FILE: reuses the common prefix, saved back after
             done = generate_with_prompt_cache(model, prompt, args.prompt_cache, max_tokens,
                                               kv_dtype=args.kv_dtype, on_token=stream.on_token,
@@ -216,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             computed, reason = generate_tokens(
                 model, prompt, stream.on_token, cache=cache, max_tokens=max_tokens, stop_token_ids=stop,
-                **sampling)
+                policy=policy, **sampling)
     except KeyboardInterrupt:
         computed, reason = len(prompt), "interrupted"
     stream.finish()

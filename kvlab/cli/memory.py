@@ -8,7 +8,8 @@ from pathlib import Path
 
 from rich.table import Table
 
-from kvlab.cache.memory import DTYPE_BYTES, canonical_dtype, kv_bytes_per_token, tokens_in_budget
+from kvlab.cache.memory import (DTYPE_BYTES, canonical_dtype, kv_bytes_per_token, kv_scale_bytes_per_token,
+                                tokens_in_budget)
 from kvlab.cli.fmt import console, human_bytes
 from kvlab.config import ModelConfig, tiny_config
 from kvlab.errors import ConfigError, InputError
@@ -71,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
         "head_dim": config.head_dim, "dtype": dtype, "bytes_per_scalar": DTYPE_BYTES[dtype],
         "bytes_per_token": per_token, "tokens": tokens, "batch": args.batch, "total_bytes": total,
         "bytes_per_token_by_dtype": {d: kv_bytes_per_token(config, d) for d in DTYPE_BYTES},
+        "scale_bytes_per_token": kv_scale_bytes_per_token(config, dtype),
+        "scale_bytes_per_token_by_dtype": {d: kv_scale_bytes_per_token(config, d) for d in DTYPE_BYTES},
     }
     if budget is not None:
         result["budget_bytes"] = budget
@@ -88,15 +91,21 @@ def run(args: argparse.Namespace) -> int:
     if budget is not None:
         con.print(f"budget {human_bytes(budget)} holds [bold]{result['tokens_in_budget']:,}[/] tokens per "
                   f"sequence at batch {args.batch}")
-    table = Table(title="by cache dtype (payload only; quantized formats add scales)")
+    scales = result["scale_bytes_per_token"]
+    if scales:
+        con.print(f"plus scales: a float16 scale and zero per 32 values = [bold]{scales:,.0f}[/] bytes per token "
+                  f"of metadata ({human_bytes(scales * tokens * args.batch)} in all)")
+    table = Table(title="by cache dtype (payload; int8/int4 add the scales column as metadata)")
     table.add_column("dtype")
     table.add_column("bytes/token", justify="right")
-    table.add_column(f"{tokens:,} tok x {args.batch}", justify="right")
+    table.add_column("scales/token", justify="right")
+    table.add_column(f"{tokens:,} tok x {args.batch} with scales", justify="right")
     if budget is not None:
         table.add_column("tokens in budget", justify="right")
     for d in DTYPE_BYTES:
-        row = [d, f"{kv_bytes_per_token(config, d):,.0f}",
-               human_bytes(kv_bytes_per_token(config, d) * tokens * args.batch)]
+        row = [d, f"{kv_bytes_per_token(config, d):,.0f}", f"{kv_scale_bytes_per_token(config, d):,.0f}",
+               human_bytes((kv_bytes_per_token(config, d) + kv_scale_bytes_per_token(config, d)) * tokens
+                           * args.batch)]
         if budget is not None:
             row.append(f"{tokens_in_budget(config, budget, args.batch, d):,}")
         table.add_row(*row, style="bold" if d == dtype else None)

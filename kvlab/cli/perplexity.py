@@ -19,7 +19,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context", type=int, default=None, help="window length (default: model context)")
     p.add_argument("--stride", type=int, default=None, help="scored tokens per window (default: context)")
     p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
-    p.add_argument("--kv-cache-dtype", default=None, help="float32 (default), float16 or bfloat16")
+    p.add_argument("--kv-cache-dtype", default=None,
+                   help="float32 (default), float16, bfloat16, int8, int4, fp8_e4m3 or fp8_e5m2")
     p.add_argument("--chunk", type=int, default=None,
                    help="feed each window through the cache in chunks of N tokens (default: one forward)")
     p.add_argument("--dtype", default="float32", help="compute dtype: float32 (default) or float64")

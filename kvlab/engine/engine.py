@@ -19,6 +19,7 @@ import numpy as np
 from kvlab import validate
 from kvlab.cache.kv_cache import resolve_kv_dtype
 from kvlab.cache.paged import BlockPool
+from kvlab.cache.quant import QuantFormat
 from kvlab.engine.request import Request, RequestOutput, Sequence, Status
 from kvlab.engine.sampling import SamplingParams, top_logprobs
 from kvlab.engine.scheduler import Scheduler
@@ -63,8 +64,10 @@ class Engine:
             kv_dtype = resolve_kv_dtype(kv_cache_dtype, model.dtype)
         except InputError as exc:
             raise ConfigError(str(exc)) from None
+        scalar_bytes = kv_dtype.itemsize + kv_dtype.scale_bytes_per_scalar() \
+            if isinstance(kv_dtype, QuantFormat) else kv_dtype.itemsize  # int8/int4: scales count too
         bytes_per_block = 2 * config.num_hidden_layers * config.num_key_value_heads * block_size \
-            * config.head_dim * kv_dtype.itemsize
+            * config.head_dim * scalar_bytes
         if num_blocks is not None and kv_cache_memory is not None:
             raise ConfigError("give num_blocks or kv_cache_memory, not both")
         if num_blocks is not None:
@@ -88,7 +91,7 @@ class Engine:
         self.max_model_len = max_model_len
         self.kv_cache_dtype = kv_dtype
         self.block_pool = BlockPool(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
-                                    kv_dtype, block_size, num_blocks)
+                                    kv_dtype, block_size, num_blocks, compute_dtype=model.dtype)
         self.prefix_cache = PrefixCache(self.block_pool, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_pool, self.prefix_cache, max_num_seqs, max_num_batched_tokens)
         eos = getattr(tokenizer, "eos_token_ids", None) if tokenizer is not None else None

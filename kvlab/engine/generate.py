@@ -15,19 +15,24 @@ from kvlab.cache.kv_cache import KVCache, resolve_kv_dtype
 from kvlab.engine.sampling import Sampler, SamplingParams
 from kvlab.errors import ContextLengthError, InputError
 from kvlab.model.llama import LlamaModel, validate_ids
+from kvlab.policies.apply import check_policy, forward_with_policy
+from kvlab.policies.base import Policy
 
 
 def stream_generate(model: LlamaModel, ids: Any, max_new_tokens: int | None = None, *,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                     seed: int | None = None, stop_token_ids: Iterable[int] = (),
                     pad_token_id: int | None = None, use_cache: bool = True,
-                    cache: KVCache | None = None, kv_dtype: object = None) -> Iterator[np.ndarray]:
+                    cache: KVCache | None = None, kv_dtype: object = None,
+                    policy: Policy | None = None) -> Iterator[np.ndarray]:
     """Yield a [B] array of token ids per step.
 
     `ids` [B, T] is the prompt (with a `cache`, only the positions after it). A row that emits one of
     `stop_token_ids` is finished: later steps give it `pad_token_id` (default: the first stop id) and the
     loop ends when every row is finished or `max_new_tokens` (None = to the end of the context) is reached.
     The last token chosen is not fed back, so the cache ends holding every position but that one.
+    A `policy` (kvlab/policies/: context shift, window, sinks, H2O) evicts rows whenever its budget is
+    full, so generation is no longer bounded by the context: `max_new_tokens` must then be given.
     """
     ids = validate_ids(ids, model.config.vocab_size)
     params = SamplingParams(temperature, top_k, top_p, min_p, seed)
@@ -51,6 +56,12 @@ def stream_generate(model: LlamaModel, ids: Any, max_new_tokens: int | None = No
     start = cache.get_seq_length() if cache is not None else 0
     context = model.config.max_position_embeddings
     room = context - start - ids.shape[1]
+    if policy is not None:
+        check_policy(model, policy)
+        if max_new_tokens is None or not use_cache:
+            raise InputError("a cache policy needs use_cache=True and an explicit max_new_tokens (it never "
+                             "runs out of context)")
+        room = max_new_tokens  # evictions make room: the context no longer bounds the output
     if max_new_tokens is None:
         max_new_tokens = room + 1  # the last chosen token needs no position of its own
     max_new_tokens = validate.int_in_range(max_new_tokens, "max_new_tokens", 0)
@@ -61,17 +72,23 @@ def stream_generate(model: LlamaModel, ids: Any, max_new_tokens: int | None = No
     if max_new_tokens == 0:
         return iter(())
     if use_cache and cache is None:
-        cache = model.new_cache(ids.shape[0], kv_dtype, capacity=start + ids.shape[1] + max_new_tokens)
+        capacity = start + ids.shape[1] + max_new_tokens
+        cache = model.new_cache(ids.shape[0], kv_dtype, capacity if policy is None else min(capacity, policy.budget))
+    if policy is not None:
+        policy.start(cache)
     # Everything above runs at call time, so bad arguments raise here, not at the first next().
-    return _steps(model, ids, int(max_new_tokens), Sampler(params), stop, pad, use_cache, cache)
+    return _steps(model, ids, int(max_new_tokens), Sampler(params), stop, pad, use_cache, cache, policy)
 
 
 def _steps(model: LlamaModel, ids: np.ndarray, max_new_tokens: int, sampler: Sampler, stop: np.ndarray,
-           pad: int, use_cache: bool, cache: KVCache | None) -> Iterator[np.ndarray]:
+           pad: int, use_cache: bool, cache: KVCache | None,
+           policy: Policy | None = None) -> Iterator[np.ndarray]:
     finished = np.zeros(ids.shape[0], dtype=bool)
     sequence = step_input = ids
     for step in range(max_new_tokens):
-        if use_cache:
+        if policy is not None:
+            logits = forward_with_policy(model, step_input, cache, policy, logits_to_keep=1)
+        elif use_cache:
             logits = model.forward(step_input, cache=cache, use_cache=True, logits_to_keep=1).logits
         else:
             logits = model.forward(sequence, logits_to_keep=1).logits

@@ -97,13 +97,17 @@ def _llama3_scaling(gguf: GGUFFile, head_dim: int, theta: float) -> dict[str, An
         smooth = (1 / factors[band] - 1 / factor) / (1 - 1 / factor)
         slope, intercept = np.polyfit(freqs[band] / (2 * np.pi), smooth, 1)
         low = -intercept
-        candidates.append({"low_freq_factor": low, "high_freq_factor": low + 1.0,
-                           "original_max_position_embeddings": slope})
+        if low > 0 and slope > 0:  # only ratios are fixed: scale so the original context is a whole number
+            old = max(1, int(round(slope / low)))
+            candidates.append({"low_freq_factor": old * low / slope, "high_freq_factor": old * (low + 1.0) / slope,
+                               "original_max_position_embeddings": old})
     for params in candidates:
         want = llama3_factors(head_dim, theta, factor, params["low_freq_factor"], params["high_freq_factor"],
                               params["original_max_position_embeddings"])
         if np.allclose(want, factors, rtol=1e-5, atol=0):
-            return {"rope_type": "llama3", "factor": factor, **{k: float(v) for k, v in params.items()}}
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(params["low_freq_factor"]),
+                    "high_freq_factor": float(params["high_freq_factor"]),
+                    "original_max_position_embeddings": int(params["original_max_position_embeddings"])}
     raise ConfigError(f"{gguf.path}: tensor 'rope_freqs.weight' does not follow Llama 3 rope scaling; kvlab "
                       "cannot compute these per-frequency factors")
 

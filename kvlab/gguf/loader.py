@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from kvlab import validate
 from kvlab.config import ModelConfig
 from kvlab.errors import CheckpointError, ConfigError
 from kvlab.gguf.config import config_from_metadata
@@ -29,7 +30,7 @@ def gguf_file(path: str | Path | None) -> Path | None:
     None when `path` is not a GGUF model, so the caller treats it as an HF folder."""
     if path is None:
         return None
-    path = Path(path).expanduser()
+    path = Path(validate.path_text(path, "model path", error=CheckpointError)).expanduser()
     if path.suffix.lower() == ".gguf" and not path.is_dir():
         return path
     if path.is_file():

@@ -200,7 +200,9 @@ class LlamaModel:
 
         x = self.embed[ids]  # a fresh [B, T, hidden] array: the residual stream, updated in place
         with np.errstate(over="ignore"):  # swiglu's exp(-gate) may overflow to inf: correct, and silent
-            first_key = self._decode_key_start(start, cache) if num_new == 1 and self.fast_decode else None
+            observed = getattr(cache, "observer", None) is not None  # it needs q: the general path has it
+            first_key = self._decode_key_start(start, cache) \
+                if num_new == 1 and self.fast_decode and not observed else None
             if first_key is None:
                 self._blocks(x, positions, cos, sin, cache)
             else:
@@ -219,7 +221,7 @@ class LlamaModel:
         batch, num_new = x.shape[:2]
         heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         qk_heads = heads + kv_heads
-        mask = None
+        mask, observer = None, getattr(cache, "observer", None)
         for index, layer in enumerate(self.layers):
             qkv = self._qkv(x, layer).reshape(batch, num_new, qk_heads + kv_heads, head_dim)
             qk = rotate_halves(qkv[:, :, :qk_heads], cos, sin)  # RoPE on q and k heads together: [B, T, H_q+H_kv, d]
@@ -234,6 +236,8 @@ class LlamaModel:
                 mask = attention_mask(positions, key_positions, causal=config.causal,
                                       sliding_window=config.sliding_window)
             attn = attend(q, k, v, mask)
+            if observer is not None:  # e.g. H2O's attention scores
+                observer(index, q, k, mask)
             self._finish_block(x, layer, attn.transpose(0, 2, 1, 3).reshape(batch, num_new, heads * head_dim))
 
     def _decode_key_start(self, position: int, cache: KVCache | None) -> int | None:

@@ -16,6 +16,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from kvlab.cache.quant import QuantFormat
+
 
 def _digest(tag: bytes, *parts: bytes) -> bytes:
     h = hashlib.sha256(tag)
@@ -25,10 +27,15 @@ def _digest(tag: bytes, *parts: bytes) -> bytes:
     return h.digest()
 
 
+def _dtype_name(dtype: Any) -> str:
+    """"float16", or a quantized format's name ("int8", "fp8_e4m3"): blocks of different precision never mix."""
+    return dtype.name if isinstance(dtype, QuantFormat) else np.dtype(dtype).name
+
+
 def root_key(fingerprint: str, compute_dtype: Any, cache_dtype: Any, cache_salt: str | None = None) -> bytes:
     """The parent key of a sequence's first block."""
     header = json.dumps({"fingerprint": fingerprint, "compute_dtype": np.dtype(compute_dtype).name,
-                         "cache_dtype": np.dtype(cache_dtype).name, "cache_salt": cache_salt},
+                         "cache_dtype": _dtype_name(cache_dtype), "cache_salt": cache_salt},
                         sort_keys=True).encode()
     return _digest(b"kvlab-root-v1", header)
 

@@ -70,6 +70,9 @@ def write_session_file(path: str | Path, cache: KVCache, tokens: Sequence[int],
     path = Path(validate.path_text(path, "session file"))
     extra = validate.json_dict(extra, "session extra")  # what cannot load back is never saved
     length = cache.get_seq_length()
+    if cache.quantized:
+        raise InputError(f"session files hold float K/V rows; a {cache.dtype.name} cache cannot be saved "
+                         "(use a float cache dtype for sessions and prompt caches)")
     if cache.batch_size != 1 or len(tokens) != length:
         raise InputError(f"a session file holds one sequence with one row per token; got batch "
                          f"{cache.batch_size}, {length} rows and {len(tokens)} tokens")

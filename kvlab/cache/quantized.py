@@ -1,0 +1,312 @@
+"""QuantizedStore: a KVStore that keeps K/V as int8 / int4 codes with float16 scales, or as fp8.
+
+Same contract as ContiguousStore (kvlab/cache/contiguous.py): rows [B, H_kv, n, d] are written at a
+position and read back as the first `length` positions, but reads return *dequantized* copies in the
+compute dtype, so the model attends over exactly what is stored (with per-token groups, what a token sees
+does not depend on whether the rows were written by a prefill or by decode steps). Values are always grouped per token and
+head; keys per token too, or per channel over blocks of `block_size` tokens (KIVI), in which case the
+last, partial block is held in full precision until it fills.
+
+`copy` clones codes and scales byte for byte (a fork never re-quantizes). A write before the end of the
+stored rows (after a crop) simply overwrites token-grouped rows; for channel-grouped keys it reopens the
+block it falls in: the block's earlier rows return to the full-precision tail as their dequantized values
+and are quantized again, with fresh scales, when the block refills.
+
+Eviction policies move kept rows to new positions (kvlab/policies/apply.py). Token-grouped stores move
+codes and scales as they are and remember how far each key moved; `read` applies that RoPE rotation after
+dequantizing (`keep_rows`), so a key is rounded once in its life however often it moves. This is the one
+place a cached key is rotated at read time rather than stored rotated (DESIGN invariant 1): storing it
+again would round it again at every eviction.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from kvlab.cache.contiguous import MIN_CAPACITY
+from kvlab.cache.quant import (FP8_DTYPES, SCALE_DTYPE, QuantFormat, decode_rows, dequantize_int,
+                               encode_rows, pack_int4, quantize_int, unpack_int4)
+from kvlab.errors import InputError
+
+
+class _TokenCodes:
+    """One tensor [B, H, T, d] stored per token: codes plus (int formats) a scale and zero per group."""
+
+    def __init__(self, fmt: QuantFormat, shape: tuple[int, int, int], dtype: np.dtype, capacity: int) -> None:
+        self.fmt, self.shape, self.dtype = fmt, shape, dtype
+        batch, heads, dim = shape
+        self.group = fmt.group_size if dim % fmt.group_size == 0 else dim
+        self.codes_dim = dim // 2 if fmt.bits == 4 else dim
+        self.codes_dtype = FP8_DTYPES[fmt.name] if fmt.is_float else np.dtype(np.uint8)
+        self.codes = np.zeros((batch, heads, capacity, self.codes_dim), self.codes_dtype)
+        groups = 0 if fmt.is_float else dim // self.group
+        self.scale = np.zeros((batch, heads, capacity, groups), SCALE_DTYPE)
+        self.zero = np.zeros((batch, heads, capacity, groups), SCALE_DTYPE)
+        # Positions each row has moved since it was quantized, and the RoPE rotation to apply for it
+        # when the row is read (see keep_rows): keys only, and only after an eviction policy moved them.
+        self.moved = np.zeros(capacity, np.int32)
+        self.rotate: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.codes.shape[2]
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return self.codes, self.scale, self.zero
+
+    def grow(self, capacity: int) -> None:
+        old = self.capacity
+        moved = np.zeros(capacity, np.int32)
+        moved[:old] = self.moved
+        self.moved = moved
+        for name in ("codes", "scale", "zero"):
+            array = getattr(self, name)
+            grown = np.zeros(array.shape[:2] + (capacity,) + array.shape[3:], array.dtype)
+            grown[:, :, :old] = array
+            setattr(self, name, grown)
+
+    def write(self, start: int, x: np.ndarray) -> None:
+        end = start + x.shape[2]
+        codes, scale, zero = encode_rows(x, self.fmt, self.group)
+        self.codes[:, :, start:end] = codes
+        if scale is not None:
+            self.scale[:, :, start:end], self.zero[:, :, start:end] = scale, zero
+        self.moved[start:end] = 0
+
+    def read(self, length: int) -> np.ndarray:
+        out = decode_rows(self.codes[:, :, :length], self.scale[:, :, :length], self.zero[:, :, :length],
+                          self.fmt, self.group, self.dtype)
+        moved = self.moved[:length]
+        return self.rotate(out, moved) if self.rotate is not None and moved.any() else out
+
+    def keep_rows(self, rows: np.ndarray, delta: np.ndarray | None = None,
+                  rotate: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> None:
+        """Move rows `rows` to 0..n-1 as they are (codes and scales, no re-rounding); `delta` adds to each
+        row's pending rotation, which `read` applies with `rotate` after dequantizing."""
+        n = rows.size
+        for array in self.arrays():
+            array[:, :, :n] = array[:, :, rows]
+        self.moved[:n] = self.moved[rows] + (0 if delta is None else delta)
+        if rotate is not None:
+            self.rotate = rotate
+
+    def copy(self, length: int, capacity: int) -> "_TokenCodes":
+        clone = _TokenCodes(self.fmt, self.shape, self.dtype, capacity)
+        for mine, theirs in zip(self.arrays(), clone.arrays()):
+            theirs[:, :, :length] = mine[:, :, :length]
+        clone.moved[:length], clone.rotate = self.moved[:length], self.rotate
+        return clone
+
+    def nbytes(self, length: int) -> tuple[int, int]:
+        """(payload, scale) bytes of the first `length` rows."""
+        per_row = [a[:, :, :1].nbytes for a in self.arrays()]
+        return per_row[0] * length, (per_row[1] + per_row[2]) * length
+
+
+class _ChannelCodes:
+    """Keys [B, H, T, d] stored per channel over blocks of `block_size` tokens (KIVI), tail in full precision."""
+
+    def __init__(self, fmt: QuantFormat, shape: tuple[int, int, int], dtype: np.dtype, capacity: int) -> None:
+        self.fmt, self.shape, self.dtype, self.block = fmt, shape, dtype, fmt.block_size
+        batch, heads, dim = shape
+        capacity = -(-capacity // self.block) * self.block
+        self.codes = np.zeros((batch, heads, capacity, dim // 2 if fmt.bits == 4 else dim), np.uint8)
+        self.scale = np.zeros((batch, heads, capacity // self.block, dim), SCALE_DTYPE)
+        self.zero = np.zeros_like(self.scale)
+        self.tail = np.zeros((batch, heads, self.block, dim), dtype)  # the partial block, full precision
+        self.quantized = 0  # rows [0, quantized) are in codes: a multiple of block
+
+    @property
+    def capacity(self) -> int:
+        return self.codes.shape[2]
+
+    def grow(self, capacity: int) -> None:
+        capacity = -(-capacity // self.block) * self.block
+        for name, size in (("codes", capacity), ("scale", capacity // self.block), ("zero", capacity // self.block)):
+            array = getattr(self, name)
+            grown = np.zeros(array.shape[:2] + (size,) + array.shape[3:], array.dtype)
+            grown[:, :, :array.shape[2]] = array
+            setattr(self, name, grown)
+
+    def _blocks(self, end: int) -> np.ndarray:
+        """Dequantized rows [0, end) of the quantized part (end a multiple of block, <= quantized)."""
+        batch, heads, dim = self.shape
+        codes = self.codes[:, :, :end]
+        if self.fmt.bits == 4:
+            codes = unpack_int4(codes)
+        n = end // self.block
+        grouped = codes.reshape(batch, heads, n, self.block, dim)
+        out = dequantize_int(grouped, self.scale[:, :, :n, None], self.zero[:, :, :n, None], self.dtype)
+        return out.reshape(batch, heads, end, dim)
+
+    def write(self, start: int, x: np.ndarray) -> None:
+        if start < self.quantized:  # reopen the block `start` falls in
+            first = start // self.block * self.block
+            self.tail[:, :, :start - first] = self._blocks(first + self.block)[:, :, first:start]
+            self.quantized = first
+        position, i, num = start, 0, x.shape[2]
+        while i < num:
+            offset = position - self.quantized
+            take = min(self.block - offset, num - i)
+            self.tail[:, :, offset:offset + take] = x[:, :, i:i + take]
+            position, i = position + take, i + take
+            if position - self.quantized == self.block:
+                codes, scale, zero = quantize_int(self.tail, self.fmt.bits, axis=-2)
+                q, b = self.quantized, self.quantized // self.block
+                self.codes[:, :, q:q + self.block] = pack_int4(codes) if self.fmt.bits == 4 else codes
+                self.scale[:, :, b], self.zero[:, :, b] = scale[:, :, 0], zero[:, :, 0]
+                self.quantized += self.block
+
+    def read(self, length: int) -> np.ndarray:
+        done = min(length, self.quantized)
+        end = -(-done // self.block) * self.block
+        head = self._blocks(end)[:, :, :done]
+        if length <= done:
+            return head
+        return np.concatenate([head, self.tail[:, :, :length - done]], axis=2)
+
+    def copy(self, length: int, capacity: int) -> "_ChannelCodes":
+        """Byte-for-byte clone of every quantized block and the tail: rows past `length` are never read,
+        and a later write there reopens its block exactly as it would in the original."""
+        clone = _ChannelCodes(self.fmt, self.shape, self.dtype, max(capacity, self.quantized))
+        done, blocks = self.quantized, self.quantized // self.block
+        clone.codes[:, :, :done] = self.codes[:, :, :done]
+        clone.scale[:, :, :blocks], clone.zero[:, :, :blocks] = self.scale[:, :, :blocks], self.zero[:, :, :blocks]
+        clone.tail[...] = self.tail
+        clone.quantized = done
+        return clone
+
+    def nbytes(self, length: int) -> tuple[int, int]:
+        done = min(length, self.quantized)
+        per_code_row = self.codes[:, :, :1].nbytes
+        blocks = -(-done // self.block)
+        return (per_code_row * done + self.tail[:, :, :1].nbytes * (length - done),
+                (self.scale[:, :, :1].nbytes + self.zero[:, :, :1].nbytes) * blocks)
+
+
+class QuantizedStore:
+    """KVStore in a QuantFormat; reads dequantize to `dtype` (the model's compute dtype)."""
+
+    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int, fmt: QuantFormat,
+                 dtype: np.dtype, capacity: int = MIN_CAPACITY) -> None:
+        self.fmt, self.dtype = fmt, np.dtype(dtype)
+        self.shape = (batch_size, num_kv_heads, head_dim)
+        capacity = max(int(capacity), 1)
+        key_kind = _ChannelCodes if fmt.key_grouping == "channel" and not fmt.is_float else _TokenCodes
+        self._keys = [key_kind(fmt, self.shape, self.dtype, capacity) for _ in range(num_layers)]
+        self._values = [_TokenCodes(fmt, self.shape, self.dtype, capacity) for _ in range(num_layers)]
+
+    @property
+    def capacity_tokens(self) -> int:
+        return min(self._keys[0].capacity, self._values[0].capacity)
+
+    @property
+    def capacity_bytes(self) -> int:
+        total = 0
+        for k, v in zip(self._keys, self._values):
+            total += sum(a.nbytes for a in v.arrays()) + k.codes.nbytes + k.scale.nbytes + k.zero.nbytes
+            total += getattr(k, "tail", np.zeros(0)).nbytes
+        return total
+
+    def reserve(self, num_tokens: int) -> None:
+        capacity = self.capacity_tokens
+        if num_tokens <= capacity:
+            return
+        new_capacity = max(num_tokens, 2 * capacity, MIN_CAPACITY)
+        for codes in (*self._keys, *self._values):
+            codes.grow(new_capacity)
+
+    def write(self, layer: int, start: int, keys: np.ndarray, values: np.ndarray) -> None:
+        self._keys[layer].write(start, keys)
+        self._values[layer].write(start, values)
+
+    def read(self, layer: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        return self._keys[layer].read(length), self._values[layer].read(length)
+
+    def copy(self, length: int) -> "QuantizedStore":
+        clone = QuantizedStore(0, *self.shape, self.fmt, self.dtype)
+        capacity = max(length, MIN_CAPACITY)
+        clone._keys = [k.copy(length, capacity) for k in self._keys]
+        clone._values = [v.copy(length, capacity) for v in self._values]
+        return clone
+
+    @property
+    def can_keep_rows(self) -> bool:
+        """Whether `keep_rows` works: token-grouped keys (per-channel blocks cannot be cut row by row)."""
+        return all(isinstance(k, _TokenCodes) for k in self._keys)
+
+    def keep_rows(self, rows: np.ndarray, delta: np.ndarray,
+                  rotate_keys: Callable[[np.ndarray, np.ndarray], np.ndarray] | None) -> None:
+        """Keep rows `rows` at 0..n-1 without re-quantizing: keys moved by `delta` are rotated on read.
+
+        Why not rotate and store again, as the float cache does: every eviction would round each kept key
+        once more, and a window policy evicts at every step (int4 + sinks:4:60 measured +23 % perplexity
+        that way, against +0.7 % for the float cache). Reads dequantize into a fresh array anyway, so the
+        rotation costs one pass over it, only while some row has moved.
+        """
+        for keys, values in zip(self._keys, self._values):
+            keys.keep_rows(rows, delta, rotate_keys)
+            values.keep_rows(rows)
+
+    def moved_bytes(self) -> int:
+        """Bytes of the per-row pending rotations (position metadata, like the cache's position ids)."""
+        return sum(k.moved.nbytes for k in self._keys if isinstance(k, _TokenCodes))
+
+    def nbytes(self, length: int) -> tuple[int, int]:
+        """(payload, scale) bytes of the first `length` positions of every layer."""
+        payload = scales = 0
+        for codes in (*self._keys, *self._values):
+            p, s = codes.nbytes(length)
+            payload, scales = payload + p, scales + s
+        return payload, scales
+
+
+class QuantizedBlocks:
+    """One layer's keys or values in a block pool (kvlab/cache/paged.py), per token and head in a QuantFormat.
+
+    Codes [num_blocks, H_kv, block_size, d or d/2] plus float16 scale and zero per token, head and group,
+    so a block is self-contained: sharing, copy-on-write and prefix hits move whole rows with their scales.
+    Per-channel key grouping would tie a block's scales to every token in it and is refused here.
+    `shape` is the logical [num_blocks, H_kv, block_size, d]; reads dequantize to `dtype`.
+    """
+
+    def __init__(self, fmt: QuantFormat, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
+                 dtype: np.dtype) -> None:
+        if fmt.key_grouping == "channel" and not fmt.is_float:
+            raise InputError(f"the block pool stores {fmt.name.split('-')[0]} per token and head; per-channel "
+                             f"key groups ({fmt.name}) are only available in the contiguous cache")
+        self.fmt, self.dtype = fmt, np.dtype(dtype)
+        self.shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        self.group = fmt.group_size if head_dim % fmt.group_size == 0 else head_dim
+        codes_dtype = FP8_DTYPES[fmt.name] if fmt.is_float else np.dtype(np.uint8)
+        self.codes = np.zeros(self.shape[:3] + (head_dim // 2 if fmt.bits == 4 else head_dim,), codes_dtype)
+        groups = 0 if fmt.is_float else head_dim // self.group
+        self.scale = np.zeros(self.shape[:3] + (groups,), SCALE_DTYPE)
+        self.zero = np.zeros_like(self.scale)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scale.nbytes + self.zero.nbytes
+
+    def write(self, blocks: np.ndarray, rows: np.ndarray, x: np.ndarray) -> None:
+        """Store rows x [N, H_kv, d] at (blocks[i], rows[i])."""
+        codes, scale, zero = encode_rows(x, self.fmt, self.group)
+        self.codes[blocks, :, rows] = codes
+        if scale is not None:
+            self.scale[blocks, :, rows], self.zero[blocks, :, rows] = scale, zero
+
+    def gather(self, block_tables: np.ndarray, length: int) -> np.ndarray:
+        """The first `length` positions of each row's blocks, dequantized: [B, H_kv, length, d]."""
+        def take(array: np.ndarray) -> np.ndarray:
+            picked = array[block_tables]  # [B, M, H, block_size, k]
+            b, m, h, size, k = picked.shape
+            return picked.transpose(0, 2, 1, 3, 4).reshape(b, h, m * size, k)[:, :, :length]
+
+        return decode_rows(take(self.codes), take(self.scale), take(self.zero), self.fmt, self.group,
+                           self.dtype)
+
+    def copy_rows(self, src: int, dst: int, num_tokens: int) -> None:
+        for array in (self.codes, self.scale, self.zero):
+            array[dst, :, :num_tokens] = array[src, :, :num_tokens]

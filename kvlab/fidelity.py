@@ -1,0 +1,141 @@
+"""Fidelity: how much a lossy cache (quantized storage, an eviction policy, or both) changes the model.
+
+The held-out token stream is cut into windows of `context` tokens, each opened by <bos> as in
+kvlab/perplexity.py. Every cache choice reads each window one token per forward (decode steps, so a policy
+evicts exactly when a real generation would), and its next-token distribution at every position is
+compared with the exact cache's: KL(exact || choice) in nats (mean and max over positions), top-1
+agreement, and perplexity. Memory is the K/V payload plus quantization scales per cached token, and the
+most the cache ever held; speed is decode tokens per second over the same steps (all choices run side by
+side in one process, so the ratios mean more than the absolute numbers on a shared machine).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvlab.errors import InputError
+from kvlab.model.llama import LlamaModel
+from kvlab.perplexity import log_softmax, windows
+from kvlab.policies.apply import forward_with_policy
+from kvlab.policies.parse import CacheChoice, parse_cache_choice
+
+DEFAULT_CHOICES = ("exact", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "int8-channel", "int4",
+                   "int4-channel", "window:64", "sinks:4:60", "shift:4:64", "h2o:32:32", "int8+sinks:4:60")
+
+
+@dataclass(frozen=True)
+class FidelityRow:
+    name: str
+    kv_dtype: str
+    policy: str
+    tokens: int
+    kl_mean: float          # nats, KL(exact || this) averaged over positions
+    kl_max: float
+    top1_agreement: float   # fraction of positions whose argmax equals the exact cache's
+    perplexity: float
+    perplexity_change: float  # relative to the exact cache: 0.01 = +1 %
+    bytes_per_token: float  # K/V payload + scales per cached token, all layers
+    peak_tokens: int        # most positions the cache held at once
+    peak_bytes: int         # payload + scales at that point
+    evicted_tokens: int     # rows dropped by the policy over the run
+    decode_tokens_per_s: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Run:
+    """What one cache choice produced over one window."""
+
+    logp: np.ndarray
+    seconds: float
+    peak_tokens: int
+    peak_bytes: int
+    evicted: int
+
+
+def _read_window(model: LlamaModel, window: np.ndarray, choice: CacheChoice) -> _Run:
+    cache = model.new_cache(kv_dtype=choice.kv_dtype, capacity=window.shape[1])
+    policy = choice.policy
+    if policy is not None:
+        policy.start(cache)
+    rows, seconds, peak_tokens, peak_bytes, fed = [], 0.0, 0, 0, 0
+    for t in range(window.shape[1]):
+        step = window[:, t:t + 1]
+        start = time.perf_counter()
+        if policy is None:
+            logits = model.forward(step, cache=cache, logits_to_keep=1).logits
+        else:
+            logits = forward_with_policy(model, step, cache, policy, logits_to_keep=1)
+        seconds += time.perf_counter() - start
+        fed += 1
+        rows.append(logits[0, -1])
+        length = cache.get_seq_length()
+        if length > peak_tokens:
+            report = cache.memory_report()
+            peak_tokens, peak_bytes = length, report.payload_bytes + report.scale_bytes
+    return _Run(log_softmax(np.stack(rows)), seconds, peak_tokens, peak_bytes,
+                fed - cache.get_seq_length())
+
+
+def measure_fidelity(model: LlamaModel, token_ids: Sequence[int], bos_token_id: int,
+                     choices: Sequence[str] = DEFAULT_CHOICES, context: int | None = None,
+                     progress: Callable[[str], None] | None = None) -> list[FidelityRow]:
+    """One FidelityRow per cache choice ("exact" is always measured, first), over `token_ids`.
+
+    Perplexity changes are relative to the "exact" row."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    if ids.ndim != 1 or ids.size == 0:
+        raise InputError("fidelity needs a non-empty 1-D token stream")
+    context = context or model.config.max_position_embeddings
+    if not 0 < context <= model.config.max_position_embeddings:
+        raise InputError(f"context must be in 1..{model.config.max_position_embeddings}, got {context}")
+    names = ["exact"] + [c for c in choices if c.strip().lower() != "exact"]
+    parsed = [parse_cache_choice(c, context, model.dtype) for c in names]  # all refused before any run
+    totals = {c.name: dict(kl=0.0, kl_max=0.0, agree=0, nll=0.0, seconds=0.0, peak_tokens=0, peak_bytes=0,
+                           evicted=0) for c in parsed}
+    count = 0
+    for number, (b, i, e) in enumerate(windows(len(ids), context, context)):
+        window = np.concatenate([[bos_token_id], ids[b:e - 1]])[None]
+        targets = ids[b:e]
+        # The reference: the same decode steps with a plain cache, run apart from every choice (so the
+        # "exact" choice, which goes through the same machinery as the others, is checked against it).
+        scored = slice(i - b, None)  # a last, shorter window re-reads earlier tokens but scores only new ones
+        exact = _read_window(model, window, CacheChoice("reference", None, None)).logp[scored]
+        p_exact = np.exp(exact)
+        targets = targets[scored]
+        for choice in parsed:
+            if progress:
+                progress(f"window {number + 1} ({e}/{len(ids)} tokens): {choice.name}")
+            run = _read_window(model, window, choice)
+            logp = run.logp[scored]
+            kl = np.maximum((p_exact * (exact - logp)).sum(axis=-1), 0.0)
+            t = totals[choice.name]
+            t["kl"] += float(kl.sum())
+            t["kl_max"] = max(t["kl_max"], float(kl.max()))
+            t["agree"] += int((logp.argmax(-1) == exact.argmax(-1)).sum())
+            t["nll"] -= float(logp[np.arange(targets.size), targets].sum())
+            t["seconds"] += run.seconds
+            t["evicted"] += run.evicted
+            if run.peak_tokens > t["peak_tokens"]:
+                t["peak_tokens"], t["peak_bytes"] = run.peak_tokens, run.peak_bytes
+        count += targets.size
+    exact_ppl = math.exp(totals[parsed[0].name]["nll"] / count)
+    rows = []
+    for choice in parsed:
+        t = totals[choice.name]
+        ppl = math.exp(t["nll"] / count)
+        rows.append(FidelityRow(
+            name=choice.name, kv_dtype=str(choice.kv_dtype or np.dtype(model.dtype).name),
+            policy=str(choice.policy or "full"), tokens=count, kl_mean=t["kl"] / count, kl_max=t["kl_max"],
+            top1_agreement=t["agree"] / count, perplexity=ppl, perplexity_change=ppl / exact_ppl - 1,
+            bytes_per_token=t["peak_bytes"] / max(t["peak_tokens"], 1), peak_tokens=t["peak_tokens"],
+            peak_bytes=t["peak_bytes"], evicted_tokens=t["evicted"],
+            decode_tokens_per_s=count / t["seconds"] if t["seconds"] else 0.0))
+    return rows

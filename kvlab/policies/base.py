@@ -1,0 +1,53 @@
+"""What every cache policy answers: how many rows the cache may hold, and which to keep when it is full.
+
+A policy never touches arrays itself. Before a forward writes `num_new` rows, `make_room`
+(kvlab/policies/apply.py) asks `keep(length, num_new)` for the row indices to keep, and the cache drops
+the rest and moves the kept rows to positions 0..n-1 (see apply.py for why the positions move).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvlab.errors import InputError
+
+
+class Policy:
+    """Base class: `budget` rows at most once the new rows are written; `max_chunk` new rows per forward."""
+
+    name = "policy"
+    budget: int
+
+    @property
+    def max_chunk(self) -> int:
+        """Most new rows one forward may write (the rows a policy protects must still fit beside them)."""
+        return self.budget
+
+    def start(self, cache) -> None:
+        """Called once with the cache a run begins with (H2O attaches its score observer here)."""
+
+    def keep(self, length: int, num_new: int) -> np.ndarray:
+        """Ascending indices of the cached rows to keep so that kept + num_new <= budget.
+
+        Only called when length + num_new > budget, with 1 <= num_new <= max_chunk.
+        """
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def positive_int(value: object, what: str, low: int = 1) -> int:
+    """`value` as an int >= low, or InputError naming `what`."""
+    try:
+        number = int(str(value))
+    except ValueError:
+        raise InputError(f"{what} must be an integer, got {value!r}") from None
+    if number < low:
+        raise InputError(f"{what} must be >= {low}, got {number}")
+    return number
+
+
+def recent(length: int, count: int) -> np.ndarray:
+    """The last `count` row indices of a cache holding `length` rows."""
+    return np.arange(max(length - count, 0), length)

@@ -1,0 +1,46 @@
+"""llama.cpp's context shift, and the re-rotation of kept keys every position-moving policy relies on.
+
+When the cache is full, keep the first `n_keep` rows, drop the oldest half of the rest, and go on: the
+kept tail moves down by the number dropped, so generation never runs out of positions (llama.cpp's
+`n_discard = (n_past - n_keep) / 2`, then `llama_kv_cache_seq_add(..., -n_discard)`).
+
+Keys are cached after RoPE (DESIGN invariant 1), so a row that moves from position p to p + delta must
+have its key rotated by delta. RoPE rotates each pair of channels by position * theta_i, and rotations
+compose, R(p + delta) = R(delta) R(p): rotating the stored key by delta gives the key the model would
+have computed at p + delta, exact up to rounding (tests/test_policies.py checks 1e-5 in float32, over
+repeated shifts: llama.cpp #5652 / #4097 broke exactly this). Values carry no position and stay as they
+are. The angles are computed in float64 whatever the cache dtype.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvlab.errors import InputError
+from kvlab.model.layers import rope_cos_sin, rotate
+from kvlab.policies.base import Policy, positive_int
+
+
+def rerotate_keys(keys: np.ndarray, delta: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+    """Keys [B, H_kv, n, d] stored at positions p, rotated to p + delta[n]; same dtype as given."""
+    cos, sin = rope_cos_sin(np.asarray(delta, dtype=np.float64), np.asarray(inv_freq, dtype=np.float64))
+    return rotate(keys.astype(np.float64), cos, sin).astype(keys.dtype, copy=False)
+
+
+class ContextShift(Policy):
+    def __init__(self, n_keep: int, budget: int) -> None:
+        self.n_keep = positive_int(n_keep, "n_keep", low=0)
+        self.budget = positive_int(budget, "context shift budget")
+        if self.n_keep >= self.budget - 1:
+            raise InputError(f"context shift keeps {self.n_keep} tokens of a {self.budget}-token cache: "
+                             "nothing would be left to discard (need n_keep < budget - 1)")
+        self.name = f"shift:{self.n_keep}:{self.budget}"
+
+    @property
+    def max_chunk(self) -> int:
+        return self.budget - self.n_keep
+
+    def keep(self, length: int, num_new: int) -> np.ndarray:
+        n_keep = min(self.n_keep, length)
+        n_discard = max((length - n_keep) // 2, length + num_new - self.budget)
+        return np.concatenate([np.arange(n_keep), np.arange(n_keep + n_discard, length)])

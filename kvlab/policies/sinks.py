@@ -1,0 +1,29 @@
+"""StreamingLLM (Xiao et al. 2023): keep the first S rows, the "attention sinks", plus the last W.
+
+Softmax attention dumps mass on the first few tokens whatever they say; a plain window evicts them and
+the model degrades, keeping them restores it. StreamingLLM assigns positions by place in the cache, not
+in the text, which is what `make_room` does for every policy: the sinks stay at 0..S-1 and the window
+follows at S.. (kvlab/policies/apply.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvlab.policies.base import Policy, positive_int, recent
+
+
+class AttentionSinks(Policy):
+    def __init__(self, sinks: int, window: int) -> None:
+        self.sinks = positive_int(sinks, "number of sink tokens S", low=0)
+        self.window = positive_int(window, "window size W")
+        self.budget = self.sinks + self.window
+        self.name = f"sinks:{self.sinks}:{self.window}"
+
+    @property
+    def max_chunk(self) -> int:
+        return self.window
+
+    def keep(self, length: int, num_new: int) -> np.ndarray:
+        tail = recent(length, self.window - num_new)
+        return np.concatenate([np.arange(min(self.sinks, tail[0] if tail.size else length)), tail])

@@ -1,0 +1,82 @@
+"""kvlab fidelity: the exact cache measures as exact, lossy ones as measurably lossy, the CLI as a user runs it."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvlab import InputError, TinyLlama
+from kvlab.fidelity import measure_fidelity
+from kvlab.perplexity import perplexity
+
+
+@pytest.fixture(scope="module")
+def rows():
+    model = TinyLlama(seed=9, max_position_embeddings=32)
+    stream = np.random.default_rng(0).integers(0, 256, 70)
+    found = measure_fidelity(model, stream, 256, ["exact", "window:32", "int8", "int4", "sinks:2:10",
+                                                  "int8+window:12", "float32"])
+    return model, stream, {r.name: r for r in found}
+
+
+def test_exact_and_a_window_as_long_as_each_text_window_report_no_change(rows):
+    _, _, by_name = rows
+    for name in ["exact", "window:32"]:
+        r = by_name[name]
+        assert (r.kl_mean, r.kl_max, r.top1_agreement, r.perplexity_change) == (0.0, 0.0, 1.0, 0.0), name
+        assert r.evicted_tokens == 0 and r.tokens == 70
+    assert by_name["exact"].bytes_per_token == 2 * 2 * 2 * 8 * 8  # K+V, 2 layers, 2 KV heads, d 8, float64
+
+
+def test_lossy_choices_are_measurably_lossy_and_ordered(rows):
+    _, _, by_name = rows
+    int8, int4, sinks = by_name["int8"], by_name["int4"], by_name["sinks:2:10"]
+    assert 0 < int8.kl_mean < int4.kl_mean and int8.kl_max >= int8.kl_mean
+    assert int8.bytes_per_token < by_name["float32"].bytes_per_token < by_name["exact"].bytes_per_token
+    assert by_name["float32"].kl_mean > 0  # a float64 model with a float32 cache rounds
+    assert sinks.peak_tokens == 12 and sinks.evicted_tokens > 0 and sinks.kl_mean > 0
+    assert by_name["int8+window:12"].peak_tokens == 12
+    assert by_name["int8+window:12"].peak_bytes == pytest.approx(12 * int8.bytes_per_token)
+
+
+def test_exact_perplexity_is_what_kvlab_perplexity_reports(rows):
+    model, stream, by_name = rows
+    want = perplexity(model, stream, 256, context=32)
+    assert by_name["exact"].perplexity == pytest.approx(want.perplexity, rel=1e-10)
+
+
+def test_bad_choices_are_refused_before_anything_runs():
+    model = TinyLlama(seed=9, max_position_embeddings=32)
+    for bad, message in [("window:64", "context is 32"), ("int3", "unsupported KV cache dtype"),
+                         ("sink:4:4", "unsupported KV cache dtype")]:
+        with pytest.raises(InputError, match=message):
+            measure_fidelity(model, [1, 2, 3], 256, ["int8", bad])
+    with pytest.raises(InputError, match="non-empty"):
+        measure_fidelity(model, [], 256)
+
+
+def kvlab(*args):
+    return subprocess.run([sys.executable, "-m", "kvlab", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_cli_json_table_and_plot_on_the_shipped_model(tmp_path):
+    plot = tmp_path / "fidelity.png"
+    out = kvlab("fidelity", "--max-tokens", "40", "--context", "20", "--policy", "exact,int8",
+                "--policy", "sinks:2:6", "--json", "--plot", str(plot))
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    rows = {r["name"]: r for r in result["rows"]}
+    assert list(rows) == ["exact", "int8", "sinks:2:6"] and result["tokens"] == 40
+    assert rows["exact"]["kl_mean"] == 0 and rows["exact"]["top1_agreement"] == 1
+    assert rows["int8"]["bytes_per_token"] / rows["exact"]["bytes_per_token"] == pytest.approx(0.28125)
+    assert rows["sinks:2:6"]["peak_tokens"] == 8
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = kvlab("fidelity", "--max-tokens", "16", "--policy", "exact,int4")
+    assert table.returncode == 0 and "int4" in table.stdout and "KL mean" in table.stdout
+
+
+def test_cli_bad_policy_is_a_clear_error():
+    out = kvlab("fidelity", "--max-tokens", "8", "--policy", "window:0")
+    assert out.returncode == 2 and "window size W must be >= 1" in out.stderr
