@@ -13,7 +13,7 @@ import sys
 from kvlab.errors import KVLabError
 
 # name -> module under kvlab.cli; each module defines add_parser(subparsers) and run(args) -> int
-COMMANDS = ["demo", "verify", "memory", "generate", "chat", "perplexity"]
+COMMANDS = ["demo", "verify", "memory", "generate", "chat", "perplexity", "serve"]
 
 
 def build_parser() -> argparse.ArgumentParser:
