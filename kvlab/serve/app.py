@@ -233,7 +233,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         errors = exc.errors()
         first = errors[0] if errors else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
+        param = loc[0] if loc else None   # the top-level field (deeper parts may be pydantic type tags)
         if first.get("type") == "json_invalid":
             message, param = "the request body is not valid JSON", None
         else:

@@ -1,0 +1,89 @@
+"""The cache explorer page in a real browser: headless Debian chromium driven by Playwright's Python API,
+opened on a live `kvlab serve` with cached prefixes and a request in flight. The screenshot is kept at
+bench/out/explorer.png (the path is printed)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from serve_helpers import ROOT, ServerProcess
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--no-first-run", "--disable-component-update", "--disable-sync"]
+PROLOGUE = ("Two households, both alike in dignity, in fair Verona, where we lay our scene, from ancient "
+            "grudge break to new mutiny, where civil blood makes civil hands unclean. ")
+
+pytestmark = pytest.mark.skipif(shutil.which(CHROMIUM) is None,
+                                reason=f"{CHROMIUM} is missing (apt-get install chromium; .ci/run does it)")
+
+
+def test_explorer_renders_the_pool_the_tree_and_running_requests(tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    server = ServerProcess("--num-blocks", "96", "--max-num-seqs", "1", log_dir=tmp_path)
+    streams: list[threading.Thread] = []
+    try:
+        # two prompts that share the prologue and then diverge: a fork in the prefix tree
+        for ending in ("But soft, what light through yonder window breaks? It is the east, and Juliet is the "
+                       "sun. Arise, fair sun, and kill the envious moon.",
+                       "O Romeo, Romeo, wherefore art thou Romeo? Deny thy father and refuse thy name, or if "
+                       "thou wilt not, be but sworn my love."):
+            r = server.post("/v1/completions", {"prompt": PROLOGUE + ending, "max_tokens": 20, "temperature": 0})
+            assert r.status_code == 200, r.text
+        # requests in flight while the page renders: one runs at a time, the rest wait (aborted at the end)
+        started = threading.Event()
+        stop = threading.Event()
+
+        def long_stream(i: int) -> None:
+            body = {"prompt": PROLOGUE + f"Enter chorus {i}.", "max_tokens": 180, "stream": True,
+                    "temperature": 0, "ignore_eos": True}
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+                for _ in r.iter_lines():
+                    started.set()
+                    if stop.is_set():
+                        return
+
+        streams.extend(threading.Thread(target=long_stream, args=(i,), daemon=True) for i in range(8))
+        for t in streams:
+            t.start()
+        assert started.wait(30)
+        state = server.cache_state()
+        hashed = [b for b in state["blocks"] if b["hash"]]
+        assert len(hashed) >= 4
+
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1280, "height": 900})
+                page.goto(server.url + "/")
+                page.wait_for_function("Number(document.body.dataset.refreshes || 0) >= 1 && "
+                                       "document.querySelectorAll('#requests tr.request').length >= 1 && "
+                                       "document.querySelectorAll('#pool .block.used').length >= 1",
+                                       timeout=30_000)
+                assert page.locator("#pool .block").count() == state["num_blocks"] == 96
+                assert page.locator("#pool .block.cached").count() + page.locator("#pool .block.used").count() \
+                    >= len(hashed) - 2
+                assert page.locator("#tree .node").count() >= len(hashed) - 2
+                assert page.locator("#tree .node.fork").count() >= 1          # the shared prologue branches
+                assert "Two households" in page.locator("#tree").inner_text()
+                assert "payload" in page.locator("#bytes").inner_text()
+                assert page.locator("#status.ok").count() == 1
+                out = ROOT / "bench" / "out"
+                out.mkdir(parents=True, exist_ok=True)
+                shot = out / "explorer.png"
+                page.screenshot(path=str(shot), full_page=True)
+                stop.set()
+                assert shot.stat().st_size > 10_000
+                print(f"explorer screenshot: {shot}")
+            finally:
+                browser.close()
+        stop.set()
+    finally:
+        server.stop()
+        for t in streams:
+            t.join(5)
