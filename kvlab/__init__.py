@@ -2,7 +2,9 @@
 
 from kvlab.cache import KVCache, MemoryReport, kv_bytes_per_token
 from kvlab.config import ModelConfig, tiny_config
+from kvlab.engine.engine import Engine
 from kvlab.engine.generate import generate, stream_generate
+from kvlab.engine.request import CompletionOutput, RequestOutput
 from kvlab.engine.sampling import SamplingParams
 from kvlab.errors import (CacheMismatchError, CheckpointError, ConfigError, ContextLengthError, InputError,
                           KVLabError)
@@ -13,8 +15,9 @@ from kvlab.prefix.session import Session
 from kvlab.tokenizer import ByteTokenizer
 
 __all__ = [
-    "ByteTokenizer", "CacheMismatchError", "CheckpointError", "ConfigError", "ContextLengthError",
+    "ByteTokenizer", "CacheMismatchError", "CheckpointError", "CompletionOutput", "ConfigError",
+    "ContextLengthError", "Engine",
     "ForwardOutput", "InputError", "KVCache", "KVLabError", "LlamaModel", "MemoryReport", "ModelConfig",
-    "SamplingParams", "Session", "TinyLlama", "apply_rope", "generate", "grouped_attention",
+    "RequestOutput", "SamplingParams", "Session", "TinyLlama", "apply_rope", "generate", "grouped_attention",
     "kv_bytes_per_token", "load", "stream_generate", "tiny_config",
 ]

@@ -8,6 +8,7 @@ not K/V memory and are not counted.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 
 from kvlab.config import ModelConfig
@@ -18,6 +19,17 @@ DTYPE_BYTES: dict[str, float] = {
 }
 DTYPE_ALIASES = {"fp64": "float64", "fp32": "float32", "fp16": "float16", "half": "float16",
                  "bf16": "bfloat16", "float8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '8 GB', '1e9', '524288' -> bytes. Raises ValueError naming the text."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a byte count (try 8GiB, 512MB or 1000000)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def canonical_dtype(name: str) -> str:

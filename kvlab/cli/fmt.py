@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import re
-
 from rich.console import Console
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+from kvlab.cache.memory import parse_bytes  # noqa: F401  (lives beside the memory formulas; re-exported)
 
 
 def human_bytes(n: float) -> str:
@@ -17,14 +14,6 @@ def human_bytes(n: float) -> str:
             return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
         n /= 1024
     return f"{n} B"  # unreachable
-
-
-def parse_bytes(text: str) -> int:
-    """'80GiB', '8 GB', '1e9', '524288' -> bytes. Raises ValueError naming the text."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a byte count (try 8GiB, 512MB or 1000000)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def console(stderr: bool = False) -> Console:

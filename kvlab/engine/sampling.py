@@ -1,12 +1,15 @@
 """Choosing the next token from logits: greedy, or seeded sampling with temperature/top-k/top-p/min-p.
 
 Parameter names and meanings follow vLLM's SamplingParams: temperature 0 is greedy; top_k 0 or -1 is
-off; top_p 1.0 is off; min_p 0.0 is off.
+off; top_p 1.0 is off; min_p 0.0 is off. The engine's fields (n, max_tokens, stop_token_ids, stop,
+ignore_eos, logprobs) come after the first five, which `generate` passes positionally.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -20,8 +23,15 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    n: int = 1
+    max_tokens: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        self._check_engine_fields()
         if self.temperature < 0:
             raise InputError(f"temperature must be >= 0, got {self.temperature}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
@@ -31,9 +41,60 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise InputError(f"min_p must be in [0, 1], got {self.min_p}")
 
+    def _check_engine_fields(self) -> None:
+        """Validate (and normalise to tuples) the fields the engine reads."""
+        if not _is_int(self.n) or self.n < 1:
+            raise InputError(f"n must be an int >= 1, got {self.n!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise InputError(f"max_tokens must be an int >= 1 or None (to EOS or the context end), "
+                             f"got {self.max_tokens!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise InputError(f"logprobs must be an int >= 0 or None, got {self.logprobs!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise InputError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise InputError(f"seed must be an int or None, got {self.seed!r}")
+        ids = _as_tuple(self.stop_token_ids, "stop_token_ids")
+        if not all(_is_int(i) and i >= 0 for i in ids):
+            raise InputError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop, "stop")
+        if not all(isinstance(s, str) and s for s in stop):
+            raise InputError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+                    or not math.isfinite(value):
+                raise InputError(f"{name} must be a finite number, got {value!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
+        object.__setattr__(self, "stop", stop)
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """The parameters of sample `index` of n: seed + index (vLLM), so samples differ but reproduce."""
+        return self if self.seed is None or index == 0 else replace(self, seed=self.seed + index)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _as_tuple(value: Any, name: str) -> tuple:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise InputError(f"{name} must be a list, got {value!r}")
+    return tuple(value)
+
+
+def top_logprobs(logits: np.ndarray, token_id: int, k: int) -> dict[int, float]:
+    """{token: logprob} of the model's distribution (before sampling filters) for the k most likely
+    tokens plus the chosen one, as vLLM's `logprobs=k` returns them."""
+    row = np.asarray(logits, dtype=np.float64)
+    shifted = row - row.max()
+    logp = shifted - math.log(np.exp(shifted).sum())
+    ids = np.argsort(-logp, kind="stable")[:k] if k else np.array([], dtype=np.int64)
+    return {int(i): float(logp[i]) for i in (*ids.tolist(), int(token_id))}
 
 
 class Sampler:

@@ -1,0 +1,271 @@
+"""BlockPool: K/V in fixed-size blocks shared by every request, with ref counts and an LRU of cached blocks.
+
+Per layer, keys and values live in one array each, [num_blocks, H_kv, block_size, d], allocated once. A
+request owns a block table (a list of block ids); a token at position p of a request lives in block
+`table[p // block_size]` at offset `p % block_size`, and its global slot is `block * block_size + offset`
+(the slot mapping a batched forward writes through).
+
+Every block is in exactly one of three states (DESIGN invariant 7, checked by `check_invariants`):
+  - free: holds nothing anyone may read; on the free list;
+  - cached: ref_count 0 but registered under a key by the prefix cache, so a later request may reuse it;
+    evictable, least recently used first;
+  - in use: ref_count > 0 (one per block table holding it).
+The pool knows nothing about how keys are made: it stores what the prefix cache registers (key, parent key,
+token ids) and forgets it when the block is evicted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from kvlab.errors import InputError
+
+
+def write_slots(key_cache: np.ndarray, value_cache: np.ndarray, slot_mapping: np.ndarray,
+                keys: np.ndarray, values: np.ndarray) -> None:
+    """Store keys/values [N, H_kv, d] at global slots [N] (slot = block * block_size + row) of one layer."""
+    block_size = key_cache.shape[2]
+    blocks, rows = np.divmod(slot_mapping, block_size)
+    key_cache[blocks, :, rows] = keys
+    value_cache[blocks, :, rows] = values
+
+
+def gather_blocks(cache: np.ndarray, block_tables: np.ndarray, length: int) -> np.ndarray:
+    """The first `length` positions of each row's blocks as one contiguous [B, H_kv, length, d] array."""
+    gathered = cache[block_tables]  # [B, M, H_kv, block_size, d]
+    batch, num_blocks, heads, block_size, dim = gathered.shape
+    return gathered.transpose(0, 2, 1, 3, 4).reshape(batch, heads, num_blocks * block_size, dim)[:, :, :length]
+
+
+@dataclass(frozen=True)
+class CachedBlock:
+    """What the prefix cache registered for a full block: its key, its parent's key and its token ids."""
+
+    key: bytes
+    parent: bytes | None
+    token_ids: tuple[int, ...]
+
+
+class BlockPool:
+    """Fixed-size K/V blocks for all layers, a free list, ref counts and an LRU of evictable cached blocks."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: np.dtype,
+                 block_size: int, num_blocks: int) -> None:
+        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim), ("block_size", block_size), ("num_blocks", num_blocks)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise InputError(f"{name} must be a positive int, got {value!r}")
+        self.block_size = int(block_size)
+        self.num_blocks = int(num_blocks)
+        self.dtype = np.dtype(dtype)
+        shape = (self.num_blocks, int(num_kv_heads), self.block_size, int(head_dim))
+        self.key_cache = [np.zeros(shape, dtype=self.dtype) for _ in range(num_layers)]
+        self.value_cache = [np.zeros(shape, dtype=self.dtype) for _ in range(num_layers)]
+        self.ref_counts = [0] * self.num_blocks
+        self._free: deque[int] = deque(range(self.num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 and cached, LRU first
+        self._cached: dict[bytes, int] = {}                      # key -> block
+        self._block_info: dict[int, CachedBlock] = {}            # block -> what was registered
+
+    # --- accounting ----------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request references: plain free plus cached-evictable (as vLLM counts them)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache, in use or not."""
+        return len(self._cached)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return 2 * len(self.key_cache) * self.key_cache[0][0].nbytes if self.key_cache else 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        return sum(a.nbytes for a in self.key_cache) + sum(a.nbytes for a in self.value_cache)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold `num_tokens` positions."""
+        return math.ceil(num_tokens / self.block_size)
+
+    def check_invariants(self) -> None:
+        """free + evictable + in use == total, and each block in exactly one state (catches double frees)."""
+        free, evictable = set(self._free), set(self._evictable)
+        used = {b for b, r in enumerate(self.ref_counts) if r > 0}
+        assert len(free) == len(self._free), "a block is on the free list twice"
+        assert all(r >= 0 for r in self.ref_counts), "negative ref count"
+        assert not (free & evictable) and not (free & used) and not (evictable & used), "block in two states"
+        assert len(free) + len(evictable) + len(used) == self.num_blocks, "blocks leaked"
+        assert evictable <= set(self._block_info), "an evictable block is not cached"
+        assert not (free & set(self._block_info)), "a free block is still registered"
+        assert {b: k for k, b in self._cached.items()} == {b: i.key for b, i in self._block_info.items()}
+
+    # --- allocation ----------------------------------------------------------------------------------------
+    def allocate(self, count: int) -> list[int]:
+        """`count` blocks with ref_count 1: free ones first, then the least recently used cached ones."""
+        if count > self.num_free_blocks:
+            raise InputError(f"asked for {count} blocks but only {self.num_free_blocks} are free")
+        blocks = []
+        for _ in range(count):
+            if self._free:
+                block = self._free.popleft()
+            else:
+                block, _ = self._evictable.popitem(last=False)
+                self._forget(block)
+            self.ref_counts[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def acquire(self, blocks: Iterable[int]) -> None:
+        """One more reference to each of `blocks` (a prefix hit or a fork); cached blocks leave the LRU."""
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                if block not in self._evictable:
+                    raise InputError(f"block {block} is free: only in-use or cached blocks can be shared")
+                del self._evictable[block]
+            self.ref_counts[block] += 1
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Drop one reference to each block of a block table.
+
+        Blocks reaching 0 become evictable if cached (else free). They are released tail first, as vLLM
+        does, so a sequence's last blocks are evicted before its first ones, which more requests share.
+        """
+        for block in reversed(blocks):
+            if self.ref_counts[block] <= 0:
+                raise InputError(f"block {block} released more often than acquired")
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                if block in self._block_info:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
+
+    def copy_block(self, src: int, dst: int, num_tokens: int) -> None:
+        """Copy the first `num_tokens` rows of block `src` into `dst` in every layer (copy-on-write)."""
+        for arrays in (self.key_cache, self.value_cache):
+            for layer in arrays:
+                layer[dst, :, :num_tokens] = layer[src, :, :num_tokens]
+
+    # --- what the prefix cache registers ---------------------------------------------------------------------
+    def register(self, block: int, key: bytes, parent: bytes | None, token_ids: Sequence[int]) -> bool:
+        """Make a full in-use block findable under `key`. False (nothing changes) if the key is taken."""
+        if key in self._cached or block in self._block_info:
+            return False
+        if self.ref_counts[block] <= 0:
+            raise InputError(f"block {block} is not in use: only computed blocks can be cached")
+        self._cached[key] = block
+        self._block_info[block] = CachedBlock(key, parent, tuple(int(t) for t in token_ids))
+        return True
+
+    def lookup(self, key: bytes) -> int | None:
+        return self._cached.get(key)
+
+    def cached_info(self, block: int) -> CachedBlock | None:
+        return self._block_info.get(block)
+
+    def evict_all(self) -> int:
+        """Forget every evictable cached block (they become free); returns how many."""
+        count = len(self._evictable)
+        while self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            self._forget(block)
+            self._free.append(block)
+        return count
+
+    def _forget(self, block: int) -> None:
+        info = self._block_info.pop(block)
+        del self._cached[info.key]
+
+
+class PagedStore:
+    """A KVStore over a BlockPool for one sequence, so `KVCache` (and `LlamaModel.forward`) run on blocks.
+
+    Blocks are taken from the pool as positions are reserved; `copy` shares the full blocks (ref counts)
+    and copies only the partially filled last one, so a fork costs at most one block. Call `release`
+    when done with it, or the pool keeps the blocks.
+    """
+
+    def __init__(self, pool: BlockPool, block_table: Sequence[int] = ()) -> None:
+        self.pool = pool
+        self.block_table = list(block_table)
+        self.dtype = pool.dtype
+
+    @property
+    def capacity_tokens(self) -> int:
+        return len(self.block_table) * self.pool.block_size
+
+    @property
+    def capacity_bytes(self) -> int:
+        return len(self.block_table) * self.pool.bytes_per_block
+
+    def reserve(self, num_tokens: int) -> None:
+        more = self.pool.blocks_for(num_tokens) - len(self.block_table)
+        if more > 0:
+            self.block_table += self.pool.allocate(more)
+
+    def _slots(self, start: int, count: int) -> np.ndarray:
+        positions = np.arange(start, start + count)
+        size = self.pool.block_size
+        return np.asarray(self.block_table, dtype=np.int64)[positions // size] * size + positions % size
+
+    def write(self, layer: int, start: int, keys: np.ndarray, values: np.ndarray) -> None:
+        if keys.shape[0] != 1:
+            raise InputError(f"a PagedStore holds one sequence, got a batch of {keys.shape[0]}")
+        if layer == 0:
+            self._own(start, keys.shape[2])
+        slots = self._slots(start, keys.shape[2])
+        write_slots(self.pool.key_cache[layer], self.pool.value_cache[layer], slots,
+                    keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2))
+
+    def _own(self, start: int, count: int) -> None:
+        """Copy-on-write: blocks about to be written that a fork also holds are copied first."""
+        size = self.pool.block_size
+        for index in range(start // size, self.pool.blocks_for(start + count)):
+            block = self.block_table[index]
+            if self.pool.ref_counts[block] > 1:
+                [copy] = self.pool.allocate(1)
+                self.pool.copy_block(block, copy, size)
+                self.pool.release([block])
+                self.block_table[index] = copy
+
+    def read(self, layer: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        table = np.asarray([self.block_table[:self.pool.blocks_for(length)]], dtype=np.int64)
+        if table.shape[1] == 0:
+            shape = (1, self.pool.key_cache[layer].shape[1], 0, self.pool.key_cache[layer].shape[3])
+            return np.zeros(shape, self.dtype), np.zeros(shape, self.dtype)
+        return (gather_blocks(self.pool.key_cache[layer], table, length),
+                gather_blocks(self.pool.value_cache[layer], table, length))
+
+    def copy(self, length: int) -> "PagedStore":
+        full, partial = divmod(length, self.pool.block_size)
+        shared = self.block_table[:full]
+        if partial and self.pool.num_free_blocks < 1:
+            raise InputError("no free block for the copy of the partially filled last block")
+        self.pool.acquire(shared)
+        table = list(shared)
+        if partial:
+            [block] = self.pool.allocate(1)
+            self.pool.copy_block(self.block_table[full], block, partial)
+            table.append(block)
+        return PagedStore(self.pool, table)
+
+    def release(self) -> None:
+        """Give every block back to the pool."""
+        self.pool.release(self.block_table)
+        self.block_table = []

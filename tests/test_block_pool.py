@@ -1,0 +1,142 @@
+"""BlockPool: allocation, ref counts, LRU eviction of cached blocks, copy-on-write, accounting at idle."""
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from kvlab.cache.paged import BlockPool
+from kvlab.errors import InputError
+
+
+def make_pool(num_blocks=8, block_size=4):
+    return BlockPool(num_layers=2, num_kv_heads=2, head_dim=4, dtype=np.float64,
+                     block_size=block_size, num_blocks=num_blocks)
+
+
+def test_arrays_allocated_once_with_block_layout():
+    pool = make_pool(num_blocks=5, block_size=3)
+    assert len(pool.key_cache) == 2 and pool.key_cache[0].shape == (5, 2, 3, 4)
+    assert pool.capacity_bytes == 2 * 2 * 5 * 2 * 3 * 4 * 8
+    assert pool.bytes_per_block * pool.num_blocks == pool.capacity_bytes
+    assert pool.num_free_blocks == 5 and pool.blocks_for(7) == 3
+
+
+def test_allocate_release_and_refcounts():
+    pool = make_pool()
+    a = pool.allocate(3)
+    assert len(set(a)) == 3 and pool.num_free_blocks == 5 and pool.num_used_blocks == 3
+    pool.acquire(a[:1])
+    assert pool.ref_counts[a[0]] == 2
+    pool.release(a)
+    assert pool.num_free_blocks == 7
+    pool.release(a[:1])
+    assert pool.num_free_blocks == 8
+    pool.check_invariants()
+    with pytest.raises(InputError, match="released more often"):
+        pool.release(a[:1])
+    with pytest.raises(InputError, match="only 8 are free"):
+        pool.allocate(9)
+    assert pool.num_free_blocks == 8
+    with pytest.raises(InputError, match="is free"):
+        pool.acquire([0])
+
+
+def test_cached_blocks_are_evictable_lru_and_count_as_free():
+    pool = make_pool(num_blocks=3)
+    blocks = pool.allocate(3)
+    for i, b in enumerate(blocks):
+        assert pool.register(b, bytes([i]) * 32, None, [i] * 4)
+    assert not pool.register(blocks[0], b"\x01" * 32, None, [1] * 4)  # key taken: nothing changes
+    pool.release(blocks)  # tail first: blocks[2] is the least recently used
+    assert pool.num_free_blocks == 3 and pool.num_evictable_blocks == 3
+    pool.check_invariants()
+    assert pool.lookup(b"\x00" * 32) == blocks[0]
+    pool.acquire([blocks[0]])  # a hit takes it out of the LRU
+    assert pool.num_free_blocks == 2
+    [new] = pool.allocate(1)
+    assert new == blocks[2] and pool.lookup(b"\x02" * 32) is None  # evicted, forgotten
+    pool.check_invariants()
+    pool.release([new, blocks[0]])
+    assert pool.evict_all() == 2 and pool.num_cached_blocks == 0
+    pool.check_invariants()
+
+
+def test_copy_block_copies_rows_of_every_layer():
+    pool = make_pool()
+    src, dst = pool.allocate(2)
+    rng = np.random.default_rng(0)
+    for arrays in (pool.key_cache, pool.value_cache):
+        for layer in arrays:
+            layer[src] = rng.standard_normal(layer[src].shape)
+    pool.copy_block(src, dst, 3)
+    for arrays in (pool.key_cache, pool.value_cache):
+        for layer in arrays:
+            np.testing.assert_array_equal(layer[dst, :, :3], layer[src, :, :3])
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "4"])
+def test_bad_sizes_refused(bad):
+    with pytest.raises(InputError):
+        BlockPool(2, 2, 4, np.float32, block_size=bad, num_blocks=4)
+    with pytest.raises(InputError):
+        BlockPool(2, 2, 4, np.float32, block_size=4, num_blocks=bad)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "acquire", "release", "register", "evict"]),
+                          st.integers(0, 5)), max_size=60))
+def test_random_operations_keep_the_pool_balanced(ops):
+    pool = make_pool(num_blocks=6)
+    tables: list[list[int]] = []
+    key = 0
+    for op, arg in ops:
+        if op == "alloc" and arg <= pool.num_free_blocks:
+            tables.append(pool.allocate(arg))
+        elif op == "acquire" and tables:
+            table = tables[arg % len(tables)]
+            pool.acquire(table)
+            tables.append(list(table))
+        elif op == "release" and tables:
+            pool.release(tables.pop(arg % len(tables)))
+        elif op == "register" and tables and tables[arg % len(tables)]:
+            key += 1
+            pool.register(tables[arg % len(tables)][0], key.to_bytes(32, "little"), None, [key])
+        elif op == "evict":
+            pool.evict_all()
+        pool.check_invariants()
+        assert pool.num_used_blocks == len({b for t in tables for b in t})
+    for table in tables:
+        pool.release(table)
+    pool.check_invariants()
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_paged_store_runs_the_plain_forward_and_forks_copy_on_write():
+    from kvlab import KVCache, TinyLlama
+    from kvlab.cache.paged import PagedStore
+    model = TinyLlama(seed=2)
+    c = model.config
+    pool = BlockPool(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, np.float64, 4, 16)
+    ids = np.array([list(range(3, 14))])
+    paged = KVCache(model.cache_spec, store=PagedStore(pool))
+    plain = model.forward(ids[:, :7], use_cache=True).cache
+    model.forward(ids[:, :7], cache=paged, use_cache=True)
+    for cache in (plain, paged):
+        model.forward(ids[:, 7:], cache=cache, use_cache=True)
+    for (k1, v1), (k2, v2) in zip(plain, paged):
+        np.testing.assert_array_equal(k1, k2)
+        np.testing.assert_array_equal(v1, v2)
+    assert pool.num_used_blocks == 3  # 11 tokens in blocks of 4
+    fork = paged.fork()  # shares the two full blocks, copies the partial third
+    assert pool.num_used_blocks == 4 and max(pool.ref_counts) == 2
+    saved = [k.copy() for k, _ in fork]
+    paged.crop(5)  # rewriting position 5 must not touch the fork's block
+    model.forward(np.array([[99, 98]]), cache=paged, use_cache=True)
+    assert all(np.array_equal(k, s) for (k, _), s in zip(fork, saved))
+    second = paged.fork()
+    got = model.forward(np.array([[7]]), cache=second, use_cache=True).logits[0, -1]
+    full = model.forward(np.array([list(range(3, 8)) + [99, 98, 7]])).logits[0, -1]
+    np.testing.assert_allclose(got, full, atol=1e-10)
+    for cache in (paged, fork, second):
+        cache.store.release()
+    pool.check_invariants()
+    assert pool.num_free_blocks == pool.num_blocks

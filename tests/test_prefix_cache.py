@@ -1,0 +1,103 @@
+"""Prefix cache: chained SHA-256 keys, token-verified hits, salts and roots, registration of full blocks."""
+
+import subprocess
+import sys
+
+import numpy as np
+from hypothesis import given, strategies as st
+
+from kvlab.cache.paged import BlockPool
+from kvlab.prefix.block_hash import block_key, root_key
+from kvlab.prefix.prefix_cache import PrefixCache
+
+ROOT = root_key("f" * 64, np.float64, np.float64)
+
+
+def make_cache(num_blocks=16, block_size=4):
+    pool = BlockPool(1, 1, 2, np.float64, block_size, num_blocks)
+    return pool, PrefixCache(pool)
+
+
+def compute(pool, cache, tokens):
+    """What the engine does after computing all of `tokens` for one request: allocate, register."""
+    table = pool.allocate(pool.blocks_for(len(tokens)))
+    keys: list[bytes] = []
+    cache.insert(table, tokens, keys, ROOT, len(tokens))
+    return table, keys
+
+
+def test_keys_are_deterministic_across_processes_and_chain():
+    code = ("import numpy as np; from kvlab.prefix.block_hash import block_key, root_key; "
+            "print(block_key(root_key('f'*64, np.float64, np.float64), [1, 2, 3, 4]).hex())")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert other.strip() == block_key(ROOT, [1, 2, 3, 4]).hex()
+    assert block_key(ROOT, [1, 2, 3, 4]) != block_key(block_key(ROOT, [0] * 4), [1, 2, 3, 4])
+    assert block_key(ROOT, [1, 2]) != block_key(ROOT, [1, 2], extra_keys=["x"])
+    assert len(block_key(ROOT, [1])) == 32
+
+
+def test_root_separates_models_dtypes_and_salts():
+    roots = {root_key("a" * 64, np.float64, np.float64), root_key("b" * 64, np.float64, np.float64),
+             root_key("a" * 64, np.float32, np.float32), root_key("a" * 64, np.float32, np.float16),
+             root_key("a" * 64, np.float64, np.float64, "tenant-1"),
+             root_key("a" * 64, np.float64, np.float64, "tenant-2")}
+    assert len(roots) == 6
+
+
+def test_match_returns_full_blocks_of_the_longest_cached_prefix():
+    pool, cache = make_cache()
+    tokens = list(range(10))  # two full blocks + 2 tokens
+    table, keys = compute(pool, cache, tokens)
+    assert len(keys) == 2 and pool.num_cached_blocks == 2
+    blocks, hit_keys = cache.match(tokens[:8] + [99, 98, 97, 96], ROOT)
+    assert blocks == table[:2] and hit_keys == keys
+    assert cache.match([0, 1, 2, 3, 9, 9, 9, 9], ROOT)[0] == table[:1]
+    assert cache.match([5] + tokens[1:], ROOT)[0] == []
+    assert cache.match(tokens, root_key("f" * 64, np.float64, np.float64, "salt"))[0] == []
+
+
+def test_a_hit_is_verified_token_by_token():
+    pool, cache = make_cache()
+    table, keys = compute(pool, cache, [1, 2, 3, 4])
+    # Forge a collision: the key of [5, 6, 7, 8] pointing at the block that holds [1, 2, 3, 4].
+    pool._cached[block_key(ROOT, [5, 6, 7, 8])] = table[0]
+    assert cache.match([5, 6, 7, 8], ROOT) == ([], [])
+
+
+def test_disabled_cache_neither_matches_nor_registers():
+    pool = BlockPool(1, 1, 2, np.float64, 4, 8)
+    cache = PrefixCache(pool, enabled=False)
+    table = pool.allocate(2)
+    keys: list[bytes] = []
+    cache.insert(table, list(range(8)), keys, ROOT, 8)
+    assert keys == [] and pool.num_cached_blocks == 0 and cache.match(list(range(8)), ROOT) == ([], [])
+
+
+def test_duplicate_content_keeps_the_first_block():
+    pool, cache = make_cache()
+    first, _ = compute(pool, cache, [1, 2, 3, 4])
+    second, keys = compute(pool, cache, [1, 2, 3, 4])
+    assert len(keys) == 1 and pool.lookup(keys[0]) == first[0]
+    pool.release(second)
+    assert pool.num_evictable_blocks == 0  # the duplicate was freed, not cached
+    pool.release(first)
+    assert pool.num_evictable_blocks == 1
+    pool.check_invariants()
+
+
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=14), min_size=1, max_size=8))
+def test_match_equals_longest_common_block_prefix(prompts):
+    pool, cache = make_cache(num_blocks=64)
+    seen = []
+    for tokens in prompts:
+        blocks, _ = cache.match(tokens, ROOT)
+        expected = 0
+        for other in seen:
+            n = 0
+            while n + 4 <= min(len(other), len(tokens)) and other[n:n + 4] == tokens[n:n + 4]:
+                n += 4
+            expected = max(expected, n)
+        assert len(blocks) * 4 == expected
+        compute(pool, cache, tokens)
+        seen.append(tokens)
+    pool.check_invariants()
