@@ -62,7 +62,9 @@ def reference_text(model_and_tokenizer, prompt_ids: list[int], max_tokens: int) 
 def assert_idle_and_balanced(server: ServerProcess) -> dict:
     state = server.wait_idle()
     assert state["num_used_blocks"] == 0
-    assert state["num_free_blocks"] + state["num_cached_blocks"] == state["num_blocks"]
+    # cached-evictable blocks count as free (vLLM): with nothing running every block is free
+    assert state["num_free_blocks"] == state["num_blocks"] >= state["num_cached_blocks"]
+    assert all(b["ref_count"] == 0 and b["hash"] for b in state["blocks"])
     metrics = server.metrics()
     assert metrics["kvlab:kv_cache_usage_perc"] == 0.0
     assert metrics["kvlab:num_requests_running"] == 0 and metrics["kvlab:num_requests_waiting"] == 0
@@ -101,7 +103,7 @@ def test_chat_through_the_template_runs_to_the_context_end_by_default(server, cl
     # no max_tokens: chat runs to EOS or to the end of the context (vLLM's chat default)
     long = client.chat.completions.create(model="bard", messages=messages, temperature=0, extra_body=IGNORE_EOS)
     room = model.config.max_position_embeddings - len(ids)
-    assert long.usage.completion_tokens in (room, room + 1)
+    assert long.usage.completion_tokens == room
     assert long.choices[0].finish_reason == "length"
 
 

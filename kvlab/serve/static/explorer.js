@@ -55,9 +55,12 @@ function renderPool(s) {
                     : `block ${id} · free`;
     pool.append(el("div", { class: cls, title, "data-id": id, "data-state": state }));
   }
-  $("n-free").textContent = s.num_free_blocks;
-  $("n-cached").textContent = s.num_cached_blocks;
-  $("n-used").textContent = s.num_used_blocks;
+  // counted from the blocks themselves: the engine's num_free_blocks includes cached-evictable ones
+  const used = s.blocks.filter((b) => b.ref_count > 0).length;
+  const cached = s.blocks.length - used;
+  $("n-free").textContent = s.num_blocks - used - cached;
+  $("n-cached").textContent = cached;
+  $("n-used").textContent = used;
   $("pool-caption").textContent = `(${s.num_blocks} blocks × ${s.block_size} tokens)`;
   const frac = s.capacity_bytes ? s.payload_bytes / s.capacity_bytes : 0;
   $("bytes-bar").style.width = pct(frac);
