@@ -92,10 +92,11 @@ def test_models_and_a_greedy_completion_equal_the_reference(server, client, mode
 
 def test_chat_through_the_template_runs_to_the_context_end_by_default(server, client, model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who is there?"}]
+    system = SYSTEM * 4   # a long prompt leaves a short way to the end of the context
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Who is there?"}]
     reply = client.chat.completions.create(model="bard", messages=messages, temperature=0,
                                            max_completion_tokens=10, extra_body=IGNORE_EOS)
-    rendered = f"<s>system: {SYSTEM}\nuser: Who is there?\nassistant:"
+    rendered = f"<s>system: {system}\nuser: Who is there?\nassistant:"
     ids = tokenizer.encode(rendered, add_bos=False)
     assert reply.usage.prompt_tokens == len(ids)
     assert reply.choices[0].message.role == "assistant"
@@ -180,7 +181,7 @@ def test_shared_prefix_is_reported_as_cached_tokens(server, client, model_and_to
 
 
 def test_concurrent_requests_from_threads_equal_one_by_one(server, client):
-    jobs = [dict(prompt=SYSTEM + q, max_tokens=4 + 3 * (i % 4)) for i, q in enumerate(QUESTIONS * 2)]
+    jobs = [dict(prompt=SYSTEM + q, max_tokens=3 + 2 * (i % 4)) for i, q in enumerate(QUESTIONS + QUESTIONS[:2])]
     jobs += [dict(prompt="Friends, Romans, countrymen", max_tokens=9, n=2, temperature=0.9, seed=5)]
 
     def run(job):

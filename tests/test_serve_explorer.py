@@ -61,7 +61,7 @@ def test_explorer_renders_the_pool_the_tree_and_running_requests(tmp_path):
             try:
                 page = browser.new_page(viewport={"width": 1280, "height": 900})
                 page.goto(server.url + "/")
-                page.wait_for_function("Number(document.body.dataset.refreshes || 0) >= 1 && "
+                page.wait_for_function("Number(document.body.dataset.refreshes || 0) >= 3 && "
                                        "document.querySelectorAll('#requests tr.request').length >= 1 && "
                                        "document.querySelectorAll('#pool .block.used').length >= 1",
                                        timeout=30_000)

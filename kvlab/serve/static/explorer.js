@@ -151,6 +151,10 @@ function renderChart(s) {
   const cumulative = history.map((p) => (p.queries ? p.hits / p.queries : null));
   line(cumulative, "#60a5fa");
   line(interval, "#10b981");
+  const last = cumulative[cumulative.length - 1];
+  if (last !== null) {   // the latest value as a dot, so even the first sample shows
+    ctx.fillStyle = "#60a5fa"; ctx.beginPath(); ctx.arc(xs(cumulative.length - 1), ys(last), 3, 0, 7); ctx.fill();
+  }
   ctx.fillStyle = "#6b7280"; ctx.font = "11px system-ui";
   ctx.fillText("100%", 2, 12); ctx.fillText("cumulative", w - 150, 12);
   ctx.fillStyle = "#10b981"; ctx.fillText("interval", w - 70, 12);
