@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import shutil
 import threading
-from pathlib import Path
 
 import httpx
 import pytest

@@ -8,7 +8,7 @@ engine never sees a value of the wrong type.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
@@ -182,5 +182,3 @@ class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[StrictInt]
 
-
-FinishReason = Literal["stop", "length", "abort"]
