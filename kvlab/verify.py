@@ -13,6 +13,7 @@ from typing import Callable
 
 import numpy as np
 
+from kvlab.engine.schedules import engine_schedules
 from kvlab.model.llama import LlamaModel
 
 
@@ -104,6 +105,7 @@ def schedules(model: LlamaModel, rng: np.random.Generator,
         ("batch", "batch of 3 sequences, random chunks", batch),
         ("fork", f"fork after {prefill}, two different continuations", fork),
         ("crop", f"prefill {length}, crop to {max(1, length // 2)}, regrow with new tokens", crop),
+        *engine_schedules(model, rng, length),
     ]
 
 

@@ -4,47 +4,10 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from kvlab import TinyLlama
-from kvlab.cache.paged import BlockPool, gather_blocks, write_slots
-from kvlab.model.batch import BatchInput, forward_batch
+from kvlab.cache.paged import gather_blocks, write_slots
+from kvlab.engine.schedules import paged_logits
 from kvlab.model.layers import grouped_attention
 from kvlab.model.paged_attention import paged_attention
-
-
-def run_schedule(model, prompts, chunks_per_seq, block_size, kv_dtype=None):
-    """Feed each prompt in the given chunk sizes, all sequences in the same steps; logits of every position."""
-    c = model.config
-    pool = BlockPool(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, kv_dtype or model.dtype,
-                     block_size, num_blocks=sum(-(-len(p) // block_size) for p in prompts))
-    tables = [[] for _ in prompts]
-    done = [0] * len(prompts)
-    logits = [np.zeros((len(p), c.vocab_size)) for p in prompts]
-    chunks = [list(ch) for ch in chunks_per_seq]
-    while any(chunks):
-        ids, pos, qlens, ctx, btabs, slots, seqs = [], [], [], [], [], [], []
-        for s, prompt in enumerate(prompts):
-            if not chunks[s]:
-                continue
-            n = chunks[s].pop(0)
-            start = done[s]
-            need = -(-(start + n) // block_size) - len(tables[s])
-            tables[s] += pool.allocate(need)
-            for p in range(start, start + n):
-                ids.append(prompt[p])
-                pos.append(p)
-                slots.append(tables[s][p // block_size] * block_size + p % block_size)
-            qlens.append(n)
-            ctx.append(start + n)
-            btabs.append(tables[s])
-            seqs.append(s)
-            done[s] += n
-        batch = BatchInput(np.array(ids), np.array(pos), qlens, ctx, btabs, np.array(slots),
-                           np.arange(len(ids)))
-        out = forward_batch(model, batch, pool.key_cache, pool.value_cache)
-        row = 0
-        for s, n, end in zip(seqs, qlens, ctx):
-            logits[s][end - n:end] = out[row:row + n]
-            row += n
-    return logits
 
 
 def chunking(length, draw_sizes):
@@ -70,7 +33,7 @@ def test_batched_chunked_forward_equals_full_recompute(data):
     prompts = [data.draw(st.lists(st.integers(0, 259), min_size=1, max_size=40)) for _ in range(num_seqs)]
     chunks = [chunking(len(p), data.draw(st.lists(st.integers(1, 12), min_size=1, max_size=40)))
               for p in prompts]
-    logits = run_schedule(model, prompts, chunks, block_size)
+    logits = paged_logits(model, prompts, chunks, block_size)
     for prompt, got in zip(prompts, logits):
         want = model.forward(np.array([prompt])).logits[0]
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-10)
@@ -79,11 +42,11 @@ def test_batched_chunked_forward_equals_full_recompute(data):
 def test_float32_and_low_precision_pool_stay_close():
     model = TinyLlama(seed=1, dtype=np.float32)
     prompts = [list(range(3, 40)), list(range(50, 61))]
-    logits = run_schedule(model, prompts, [[10, 1, 1, 25], [3, 8]], block_size=4)
+    logits = paged_logits(model, prompts, [[10, 1, 1, 25], [3, 8]], block_size=4)
     for prompt, got in zip(prompts, logits):
         want = model.forward(np.array([prompt])).logits[0]
         assert np.abs(got - want).max() < 1e-4
-    half = run_schedule(model, prompts, [[37], [11]], block_size=4, kv_dtype=np.float16)
+    half = paged_logits(model, prompts, [[37], [11]], block_size=4, kv_dtype=np.float16)
     assert np.abs(half[0] - logits[0]).max() < 0.05  # fp16 storage: a measured, bounded error
 
 

@@ -19,7 +19,8 @@ def test_verify_passes_on_the_causal_model():
     out = kvlab("verify", "--json")
     result = json.loads(out.stdout)
     assert result["passed"] is True
-    assert {c["name"] for c in result["checks"]} == {"decode", "chunks", "batch", "fork", "crop"}
+    assert {c["name"] for c in result["checks"]} == {"decode", "chunks", "batch", "fork", "crop", "paged",
+                                                     "engine"}
     assert all(c["max_abs_error"] <= 1e-10 for c in result["checks"])
 
 

@@ -48,7 +48,8 @@ def assert_idle_balanced(engine):
 @settings(max_examples=30)
 @given(st.data())
 def test_random_workloads_give_each_request_its_tokens_alone(data):
-    model = TinyLlama(seed=data.draw(st.integers(0, 2)), num_key_value_heads=data.draw(st.sampled_from([1, 2])))
+    model = TinyLlama(seed=data.draw(st.integers(0, 2)), num_key_value_heads=data.draw(st.sampled_from([1, 2])),
+                      sliding_window=data.draw(st.sampled_from([None, None, 7])))
     block_size = data.draw(st.sampled_from([1, 2, 4, 8]))
     stems = [data.draw(st.lists(st.integers(0, 255), min_size=0, max_size=24)) for _ in range(2)]
     requests = []
@@ -399,3 +400,18 @@ def test_seeded_sampling_does_not_depend_on_company(data):
     for a, b in zip(alone, together):
         assert [s.token_ids for s in a.outputs] == [s.token_ids for s in b.outputs]
     assert_idle_balanced(engine)
+
+
+def test_low_precision_pool_runs_close_to_exact():
+    model = TinyLlama(seed=4, dtype=np.float32)
+    prompts = [list(range(3, 30)), list(range(40, 52))]
+    params = SamplingParams(max_tokens=6, logprobs=5, **GREEDY)
+    exact = Engine(model, block_size=4).generate(prompts, params)
+    for dtype in ("float16", "bfloat16"):
+        engine = Engine(model, block_size=4, kv_cache_dtype=dtype)
+        assert engine.block_pool.key_cache[0].dtype.name == dtype
+        low = engine.generate(prompts, params)
+        for a, b in zip(exact, low):
+            first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+            token = a.outputs[0].token_ids[0]
+            assert token in first_b and abs(first_a[token] - first_b[token]) < 0.05  # a measured, bounded error

@@ -5,7 +5,8 @@ own number of tokens, at its own positions, which start at its num_computed_toke
 projection, RoPE, the output projection and the MLP run over the whole flat batch as single matmuls; only
 attention is per sequence, against the sequence's own blocks. One-token sequences (decodes) share one
 padded attention call. New K/V are written into the pool through the slot mapping before attention reads.
-The math is the model's own (`_qkv`, `_finish_block`, its RoPE tables, `attend`), not a copy of it.
+The math is the model's own (`embed_tokens`, `_qkv`, `_finish_block`, `final_logits`, its RoPE tables,
+`attend`), not a copy of it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvlab.cache.paged import write_slots
-from kvlab.model.layers import rms_norm, rotate_halves
+from kvlab.model.layers import rotate_halves
 from kvlab.model.llama import LlamaModel
 from kvlab.model.paged_attention import paged_attention
 
@@ -62,7 +63,7 @@ def forward_batch(model: LlamaModel, batch: BatchInput, key_cache: list[np.ndarr
         decode_lens = np.array([batch.context_lens[i] for i in decodes], dtype=np.int64)
     seq_tables = {i: np.array([batch.block_tables[i]], dtype=np.int64) for i in others}
 
-    x = model.embed[np.asarray(batch.token_ids, dtype=np.int64)]  # [N, hidden], the residual stream
+    x = model.embed_tokens(np.asarray(batch.token_ids, dtype=np.int64))  # [N, hidden], the residual stream
     with np.errstate(over="ignore"):  # swiglu's exp(-gate) may overflow to inf: correct, and silent
         for index, layer in enumerate(model.layers):
             qkv = model._qkv(x, layer).reshape(num_tokens, qk_heads + kv_heads, head_dim)
@@ -83,5 +84,4 @@ def forward_batch(model: LlamaModel, batch: BatchInput, key_cache: list[np.ndarr
                                       causal=config.causal, sliding_window=config.sliding_window)
                 attn[rows] = out[0].transpose(1, 0, 2)
             model._finish_block(x, layer, attn.reshape(num_tokens, heads * head_dim))
-    x = x[np.asarray(batch.logits_indices, dtype=np.int64)]
-    return rms_norm(x, model.norm, config.rms_norm_eps) @ model.lm_head
+    return model.final_logits(x[np.asarray(batch.logits_indices, dtype=np.int64)])

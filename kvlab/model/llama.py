@@ -308,6 +308,15 @@ class LlamaModel:
 
     __call__ = forward
 
+    # --- the two ends of a forward, for the batched engine step (kvlab/model/batch.py) ---------------------
+    def embed_tokens(self, ids: np.ndarray) -> np.ndarray:
+        """The residual stream of `ids`: a fresh array in the compute dtype, which blocks update in place."""
+        return self.embed[ids].astype(self.dtype, copy=False)
+
+    def final_logits(self, x: np.ndarray) -> np.ndarray:
+        """Final RMSNorm and LM head over hidden states x [..., hidden]."""
+        return rms_norm(x, self.norm, self.config.rms_norm_eps) @ self.lm_head
+
 
 class TinyLlama(LlamaModel):
     """The seeds' model: 2 layers, hidden 32, 4 query heads, 2 KV heads, head_dim 8, float64, fixed seed.
