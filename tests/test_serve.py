@@ -18,6 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvlab
@@ -272,6 +274,39 @@ def test_invalid_bodies_get_400_in_openai_shape(server, path, body, param):
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["type"] == "invalid_request_error" and error["param"] == param
+
+
+JUNK = st.one_of(st.none(), st.booleans(), st.integers(-10, 10), st.floats(allow_nan=True),
+                 st.text(max_size=6), st.lists(st.integers(-3, 5000), max_size=4))
+FIELDS = {
+    "prompt": st.one_of(JUNK, st.text(max_size=40), st.lists(st.integers(-2, 4100), max_size=20),
+                        st.lists(st.lists(st.integers(0, 4095), max_size=6), max_size=3)),
+    "max_tokens": st.one_of(JUNK, st.integers(-2, 6)), "n": st.one_of(JUNK, st.integers(0, 3)),
+    "temperature": st.one_of(JUNK, st.floats(-1, 3)), "top_p": JUNK, "top_k": JUNK, "min_p": JUNK,
+    "seed": st.one_of(JUNK, st.integers(-2**70, 2**70)), "stop": st.one_of(JUNK, st.lists(st.text(max_size=3))),
+    "stop_token_ids": JUNK, "logprobs": st.one_of(JUNK, st.integers(-1, 25)), "stream": st.booleans(),
+    "ignore_eos": JUNK, "cache_salt": JUNK, "model": st.sampled_from(["bard", "other", None]),
+}
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=st.fixed_dictionaries({}, optional=FIELDS))
+def test_random_bodies_never_break_the_loop(server, body):
+    """Whatever a client sends: a 200 (a stream that ends in [DONE]) or an OpenAI-shaped 4xx, never a 500."""
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+        text = response.read().decode()
+    assert response.status_code in (200, 400, 404), (body, response.status_code, text)
+    if response.status_code != 200:
+        assert set(json.loads(text)["error"]) == {"message", "type", "param", "code"}
+    elif body.get("stream") is True:
+        assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text
+    else:
+        assert json.loads(text)["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+
+
+def test_after_random_bodies_every_block_is_free(server):
+    assert_idle_and_balanced(server)
+    assert server.get("/health").status_code == 200
 
 
 def test_context_overflow_unknown_model_and_a_healthy_loop_after(server, client):

@@ -85,19 +85,29 @@ function renderTree(s) {
     tree.replaceChildren(el("div", { class: "dim", text: "no cached blocks yet" }));
     return;
   }
+  const nodeFor = (b, kids) => {
+    const state = blockState(b);
+    return el("span", { class: `node ${state}${kids.length > 1 ? " fork" : ""}`, "data-hash": b.hash,
+                        "data-state": state, title: `block ${b.id} · ${b.hash}` },
+      el("b", { text: `#${b.id}` }),
+      el("code", { text: JSON.stringify(b.text !== undefined ? b.text : b.token_ids.join(" ")) }),
+      el("span", { class: "ref", text: `ref ${b.ref_count}${kids.length > 1 ? ` · ${kids.length} branches` : ""}` }));
+  };
+  // A chain of single-child blocks stays at one indent (a radix tree's edge); only a fork indents.
   const build = (blocks) => {
     const ul = el("ul");
-    for (const b of blocks.sort((x, y) => x.id - y.id)) {
-      const kids = children.get(b.hash) || [];
-      const state = blockState(b);
-      const node = el("span", { class: `node ${state}${kids.length > 1 ? " fork" : ""}`, "data-hash": b.hash,
-                                "data-state": state, title: `block ${b.id} · ${b.hash}` },
-        el("b", { text: `#${b.id}` }),
-        el("code", { text: JSON.stringify(b.text !== undefined ? b.text : b.token_ids.join(" ")) }),
-        el("span", { class: "ref", text: `ref ${b.ref_count}${kids.length > 1 ? ` · ${kids.length} branches` : ""}` }));
-      const li = el("li", {}, node);
-      if (kids.length) li.append(build(kids));
-      ul.append(li);
+    for (let b of blocks.sort((x, y) => x.id - y.id)) {
+      for (;;) {
+        const kids = children.get(b.hash) || [];
+        const li = el("li", {}, nodeFor(b, kids));
+        ul.append(li);
+        if (kids.length === 1) { b = kids[0]; continue; }
+        if (kids.length > 1) {   // one indented group per branch, so each continuation reads on its own
+          li.append(el("ul", { class: "branches" },
+            ...kids.sort((x, y) => x.id - y.id).map((k) => el("li", { class: "branch" }, build([k])))));
+        }
+        break;
+      }
     }
     return ul;
   };
