@@ -131,6 +131,53 @@ def test_streaming_equals_non_streaming_and_reports_usage(server, client):
     assert pieces[-1].choices[0].finish_reason == "length"
 
 
+def test_batched_prompts_and_n_number_their_choices(server, client):
+    prompts = ["Fair is foul", "and foul is fair"]
+    kwargs = dict(model="bard", max_tokens=5, temperature=0.7, seed=11, n=2, extra_body=IGNORE_EOS)
+    batch = client.completions.create(prompt=prompts, **kwargs)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    alone = [c.text for p in prompts for c in client.completions.create(prompt=p, **kwargs).choices]
+    assert [c.text for c in batch.choices] == alone
+    assert batch.usage.completion_tokens == 20
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(prompt=prompts, stream=True, **kwargs):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[i] for i in range(4)] == alone
+
+
+def test_cache_state_shows_a_running_request_and_its_blocks(server, model_and_tokenizer):
+    num_prompt = len(model_and_tokenizer[1].encode(SYSTEM))
+    body = {"prompt": SYSTEM, "max_tokens": 256 - num_prompt, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    seen: list[dict] = []
+    done = threading.Event()
+
+    def poll() -> None:   # snapshots while the request runs (it is fast: poll, do not sleep)
+        while not done.is_set() and not seen:
+            state = server.cache_state()
+            if any(q["num_prompt_tokens"] == num_prompt and q["status"] == "running" and q["block_table"]
+                   for q in state["requests"]):
+                seen.append(state)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
+            r.read()
+    finally:
+        done.set()
+        poller.join(30)
+    assert seen, "no snapshot caught the request running"
+    state = seen[0]
+    (mine,) = [q for q in state["requests"] if q["num_prompt_tokens"] == num_prompt]
+    held = {b["id"]: b for b in state["blocks"] if b["ref_count"] > 0}
+    assert set(mine["block_table"]) <= set(held) and state["num_used_blocks"] >= len(mine["block_table"])
+    first = held[mine["block_table"][0]]
+    assert SYSTEM.startswith(first["text"].lstrip()) and 1 <= first["num_tokens"] <= 16
+    assert server.wait_idle()["num_used_blocks"] == 0
+
+
 def test_raw_sse_ends_with_done(server):
     with httpx.stream("POST", f"{server.url}/v1/completions", timeout=30,
                       json={"prompt": "Once more", "max_tokens": 3, "stream": True, "temperature": 0}) as r:
@@ -425,3 +472,15 @@ def wait_for(condition, timeout: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached")
         time.sleep(0.05)
+
+
+def test_bad_flags_fail_before_loading(tmp_path):
+    import subprocess
+    import sys
+
+    both = subprocess.run([sys.executable, "-m", "kvlab", "serve", "--kv_cache_memory", "1MiB", "--num-blocks", "4"],
+                          capture_output=True, text=True, timeout=60)
+    assert both.returncode == 2 and "not both" in both.stderr
+    missing = subprocess.run([sys.executable, "-m", "kvlab", "serve", "--model", str(tmp_path / "nope")],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "no such model folder" in missing.stderr

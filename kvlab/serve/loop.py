@@ -150,7 +150,11 @@ class EngineLoop:
             self._pending_adds += len(requests)
         done = aio.create_future()
         self._inbox.put(("add", group, requests, aio, done, time.monotonic()))
-        await done
+        try:
+            await done
+        except asyncio.CancelledError:   # the handler was cancelled (client gone) while the add was queued
+            self.abort(group.request_ids)
+            raise
         return group
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
