@@ -247,6 +247,19 @@ def test_concurrent_requests_from_threads_equal_one_by_one(server, client):
     assert_idle_and_balanced(server)
 
 
+def test_requests_on_different_connections_share_engine_steps(server):
+    """Continuous batching across HTTP requests: six concurrent requests take far fewer engine steps than
+    the same requests one after another would."""
+    clients, max_tokens = 6, 48
+    steps_before = server.cache_state()["stats"]["num_steps"]
+    body = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(max_workers=clients) as pool:
+        done = list(pool.map(lambda q: server.post("/v1/completions", {**body, "prompt": q}), QUESTIONS))
+    assert all(r.status_code == 200 for r in done)
+    steps = server.cache_state()["stats"]["num_steps"] - steps_before
+    assert steps < clients * max_tokens / 2, steps   # one by one would take at least clients * max_tokens
+
+
 def test_stop_strings_cut_the_text_in_both_modes(server, client):
     base = client.completions.create(model="bard", prompt="Good morrow, my lord", max_tokens=24, temperature=0,
                                      extra_body=IGNORE_EOS).choices[0].text
