@@ -131,10 +131,11 @@ def concurrency(model, tokenizer, budget_text, num_requests, prompt_len, new_tok
         engine = Engine(model, kv_cache_memory=budget, max_num_seqs=max_seqs)
         for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", p, params)
-        peak, seq_steps, stored, waste = 0, 0, 0, 0
+        peak, seq_steps, stored, waste, steps = 0, 0, 0, 0, 0
         start = time.perf_counter()
         while engine.has_unfinished_requests():
             engine.step()
+            steps += 1
             running = engine.scheduler.running
             peak = max(peak, len(running))
             seq_steps += len(running)  # averaged over every step and running sequence:
@@ -142,6 +143,7 @@ def concurrency(model, tokenizer, budget_text, num_requests, prompt_len, new_tok
             waste += sum(len(s.block_table) * engine.block_pool.block_size - s.num_computed_tokens
                          for s in running)
         runs[name] = {"peak_running": peak, "wall_s": time.perf_counter() - start,
+                      "mean_running": seq_steps / max(steps, 1),
                       "preemptions": engine.stats()["num_preemptions"],
                       "waste_tokens_per_seq": waste / max(seq_steps, 1),
                       "stored_tokens_per_seq": stored / max(seq_steps, 1)}
@@ -149,6 +151,8 @@ def concurrency(model, tokenizer, budget_text, num_requests, prompt_len, new_tok
     return {"budget_bytes": budget, "bytes_per_token": bytes_per_token, "context": context,
             "block_size": 16, "prealloc_capacity_seqs": int(prealloc_seqs),
             "paged_peak_running": runs["paged"]["peak_running"],
+            "paged_mean_running": runs["paged"]["mean_running"],
+            "prealloc_mean_running": runs["preallocated"]["mean_running"],
             "concurrency_ratio": runs["paged"]["peak_running"] / max(prealloc_seqs, 1),
             "paged_wall_s": runs["paged"]["wall_s"], "prealloc_wall_s": runs["preallocated"]["wall_s"],
             "throughput_ratio": runs["preallocated"]["wall_s"] / runs["paged"]["wall_s"],
@@ -185,8 +189,8 @@ def plot(results, path: Path) -> None:
         axes[1].annotate(f"{p:,} tokens\nTTFT {t:.0f} ms", (i, p), ha="center", va="bottom", fontsize=8)
     conc = results["concurrency"]
     axes[2].bar(["preallocated\n(full context)", "paged"],
-                [conc["prealloc_capacity_seqs"], conc["paged_peak_running"]], color=["tab:gray", "tab:blue"])
-    axes[2].set(ylabel="sequences running at once (peak)",
+                [conc["prealloc_mean_running"], conc["paged_mean_running"]], color=["tab:gray", "tab:blue"])
+    axes[2].set(ylabel="sequences running at once (mean over steps)",
                 title=f"fixed KV budget {conc['budget_bytes'] / 2**20:.0f} MiB")
     for i, w in enumerate([conc["prealloc_waste_tokens_per_seq"], conc["paged_waste_tokens_per_seq"]]):
         axes[2].annotate(f"waste {w:.1f} tokens/seq", (i, 0), ha="center", va="bottom", fontsize=8)
@@ -251,15 +255,17 @@ def main() -> None:
 
     c = results["concurrency"]
     table = Table(title=f"fixed KV budget {c['budget_bytes'] / 2**20:.1f} MiB ({c['bytes_per_token']:,} B/token)")
-    for col in ("", "sequences at once", "wasted tokens/seq", "wall s"):
+    for col in ("", "peak seqs", "mean seqs", "wasted tokens/seq", "wall s"):
         table.add_column(col, justify="right")
     table.add_row("preallocate the context", str(c["prealloc_capacity_seqs"]),
+                  f"{c['prealloc_mean_running']:.1f}",
                   f"{c['prealloc_waste_tokens_per_seq']:.1f}", f"{c['prealloc_wall_s']:.2f}")
-    table.add_row("paged (block 16)", str(c["paged_peak_running"]), f"{c['paged_waste_tokens_per_seq']:.1f}",
-                  f"{c['paged_wall_s']:.2f}")
+    table.add_row("paged (block 16)", str(c["paged_peak_running"]), f"{c['paged_mean_running']:.1f}",
+                  f"{c['paged_waste_tokens_per_seq']:.1f}", f"{c['paged_wall_s']:.2f}")
     con.print(table)
-    con.print(f"paged runs {c['concurrency_ratio']:.1f}x the sequences at once ({c['paged_preemptions']} "
-              f"preemptions), {c['throughput_ratio']:.1f}x the throughput")
+    con.print(f"paged runs {c['concurrency_ratio']:.1f}x the sequences at once at its peak, "
+              f"{c['paged_mean_running'] / max(c['prealloc_mean_running'], 1e-9):.1f}x on average "
+              f"({c['paged_preemptions']} preemptions), {c['throughput_ratio']:.1f}x the throughput")
     d16 = [r for r in results["decode"] if r["batch"] == 16]
     if d16:
         con.print(f"batch-16 decode throughput = {d16[0]['vs_batch1']:.1f}x batch 1 (target >= 4x); "
