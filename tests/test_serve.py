@@ -316,6 +316,8 @@ BAD_BODIES = [
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**9]}, "stop_token_ids"),
     ("/v1/completions", {"max_tokens": 3}, "prompt"),
     ("/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
@@ -461,11 +463,16 @@ def test_full_waiting_queue_gets_429_and_shutdown_gets_503(tmp_path):
     def post(name: str) -> None:
         results[name] = httpx.post(f"{proc.url}/v1/completions", json=body, timeout=60)
 
+    def stream(name: str) -> None:
+        with httpx.stream("POST", f"{proc.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            results[name] = r
+            r.read()
+
     try:
         running = threading.Thread(target=post, args=("running",))
         running.start()
         wait_for(lambda: any(r["status"] == "running" for r in proc.cache_state()["requests"]))
-        waiting = threading.Thread(target=post, args=("waiting",))
+        waiting = threading.Thread(target=stream, args=("waiting",))
         waiting.start()
         wait_for(lambda: any(r["status"] == "waiting" for r in proc.cache_state()["requests"]))
         refused = proc.post("/v1/completions", body)
@@ -474,9 +481,12 @@ def test_full_waiting_queue_gets_429_and_shutdown_gets_503(tmp_path):
         assert clean_exit(proc.stop(signal.SIGTERM)), proc.log()
         running.join(30)
         waiting.join(30)
-        for name in ("running", "waiting"):
-            assert results[name].status_code == 503, results[name].text
-            assert results[name].json()["error"]["type"] == "service_unavailable"
+        assert results["running"].status_code == 503, results["running"].text
+        assert results["running"].json()["error"]["type"] == "service_unavailable"
+        # a stream that had started gets the error as its last event, then [DONE]
+        events = [line for line in results["waiting"].text.splitlines() if line]
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][6:])["error"]["type"] == "service_unavailable"
     finally:
         proc.stop(signal.SIGKILL)
 
