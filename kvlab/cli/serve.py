@@ -96,9 +96,14 @@ def install_chat_template(tokenizer, path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
+    try:
+        import uvicorn
 
-    from kvlab.serve.app import create_app
+        from kvlab.serve.app import create_app
+    except ImportError as exc:
+        from kvlab.errors import ConfigError
+        raise ConfigError(f"kvlab serve needs the serve extra ({exc.name} is missing): "
+                          "pip install 'kvlab[serve]'") from None
 
     engine, tokenizer, name, root = build_engine(args)
     names = args.served_model_name or [name]
