@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     engine, tokenizer, name, root = build_engine(args)
     names = args.served_model_name or [name]
     app = create_app(engine, tokenizer, model_names=names, model_root=root, api_key=args.api_key or None,
-                     max_waiting=args.max_waiting, shutdown_grace_s=args.shutdown_timeout)
+                     max_waiting=args.max_waiting)
     engine_loop = app.state.kvlab.engine_loop
 
     class Server(uvicorn.Server):

@@ -37,7 +37,7 @@ class ServerState:
     """What the handlers share: the loop, the tokenizer and the names the model is served under."""
 
     def __init__(self, engine: Any, tokenizer: Any, model_names: list[str], model_root: str,
-                 max_waiting: int, shutdown_grace_s: float) -> None:
+                 max_waiting: int) -> None:
         self.engine_loop = EngineLoop(engine, ServerMetrics(model_names[0]), max_waiting)
         self.engine_loop.metrics.bind(lambda: self.engine_loop.stats)
         self.tokenizer = tokenizer
@@ -45,7 +45,6 @@ class ServerState:
         self.model_root = model_root
         self.max_model_len = int(engine.max_model_len)
         self.vocab_size = int(engine.model.config.vocab_size)
-        self.shutdown_grace_s = shutdown_grace_s
         self.created = int(time.time())
 
     def model_name(self, requested: str | None) -> str:
@@ -73,8 +72,10 @@ def _hold_back(stops: list[str]) -> int:
 
 
 def create_app(engine: Any, tokenizer: Any, *, model_names: list[str], model_root: str = "",
-               api_key: str | None = None, max_waiting: int = 256, shutdown_grace_s: float = 5.0) -> FastAPI:
-    state = ServerState(engine, tokenizer, model_names, model_root, max_waiting, shutdown_grace_s)
+               api_key: str | None = None, max_waiting: int = 256) -> FastAPI:
+    """The app; its lifespan runs the engine loop. Shutdown draining is the runner's: call
+    `app.state.kvlab.engine_loop.begin_shutdown(grace_s)` when a stop signal arrives."""
+    state = ServerState(engine, tokenizer, model_names, model_root, max_waiting)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
