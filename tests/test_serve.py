@@ -281,6 +281,10 @@ def test_logprobs_in_both_shapes(server, client):
     assert "".join(lp.tokens) == done.choices[0].text
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert 3 <= len(top) <= 4 and chosen == pytest.approx(max(top.values())) and chosen <= 0
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model="bard", prompt="My kingdom for", max_tokens=4, temperature=0, logprobs=3, stream=True)]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
     chat = client.chat.completions.create(model="bard", messages=[{"role": "user", "content": "Speak."}],
                                           max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
     content = chat.choices[0].logprobs.content

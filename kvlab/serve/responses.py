@@ -140,13 +140,14 @@ class StreamRenderer:
                 progress.started = True
                 text = completion.text or ""
                 finish = completion.finish_reason
+                offset = progress.sent_chars
                 delta, start, end = progress.advance(text, len(completion.token_ids), finish is not None)
                 if not delta and finish is None and not (self.num_logprobs is not None and end > start):
                     continue
                 logprobs = None
                 if self.num_logprobs is not None and completion.logprobs is not None:
                     ids, lps = completion.token_ids[start:end], completion.logprobs[start:end]
-                    logprobs = (completion_logprobs(self.tokenizer, ids, lps, self.num_logprobs)
+                    logprobs = (completion_logprobs(self.tokenizer, ids, lps, self.num_logprobs, offset)
                                 if self.kind == "completion" else
                                 chat_logprobs(self.tokenizer, ids, lps, self.num_logprobs))
                 if self.kind == "completion":
