@@ -1,0 +1,127 @@
+"""`kvlab serve [--model PATH]`: an OpenAI-compatible HTTP server on kvlab.Engine, with vLLM's flag names.
+
+Loads the model (default: the one shipped with kvlab), builds one Engine, and serves it with uvicorn:
+`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/tokenize`, `/detokenize`, `/reset_prefix_cache`,
+`/health`, `/metrics` (Prometheus) and the cache explorer at `/`. On SIGINT/SIGTERM new requests get 503,
+requests in flight get `--shutdown-timeout` seconds to finish, then are aborted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible server with metrics and a live cache explorer",
+                       description="Serve a model over the OpenAI API (completions, chat, streaming) with "
+                                   "continuous batching and a prefix cache; open http://HOST:PORT/ for the "
+                                   "cache explorer.")
+    p.add_argument("--model", metavar="PATH", default=None,
+                   help="model folder with config.json, *.safetensors, tokenizer.json (default: bundled)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="names the model answers to; the first is reported (default: --model as given)")
+    p.add_argument("--api-key", default=os.environ.get("KVLAB_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on the API (default: $KVLAB_API_KEY)")
+    p.add_argument("--chat-template", metavar="FILE", default=None,
+                   help="a Jinja chat template to use instead of the model's (or where it has none)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="compute dtype")
+    engine = p.add_argument_group("engine")
+    engine.add_argument("--max-model-len", type=int, default=None,
+                        help="context limit per request (default: the model's max_position_embeddings)")
+    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    engine.add_argument("--kv-cache-memory", default=None, metavar="BYTES",
+                        help="KV pool budget, e.g. 64MiB (default: enough for --max-num-seqs full sequences, "
+                             "at most 1 GiB)")
+    engine.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (instead of memory)")
+    engine.add_argument("--kv-cache-dtype", default=None,
+                        choices=["auto", "float32", "float16", "bfloat16", "float64", "fp32", "fp16", "bf16",
+                                 "fp64"], help="KV storage dtype (default auto: the compute dtype)")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="share cached prompt blocks across requests (default on)")
+    engine.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per step (default 64)")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=512,
+                        help="most tokens per step; longer prompts are prefilled in chunks (default 512)")
+    engine.add_argument("--max-waiting", type=int, default=256,
+                        help="most requests waiting for admission; more get 429 (default 256)")
+    p.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="seconds requests in flight may finish after SIGTERM before they are aborted")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default info)")
+    p.set_defaults(run=run)
+
+
+def build_engine(args: argparse.Namespace):
+    """(engine, tokenizer, model name) from the flags; bad flags raise KVLabError before anything loads."""
+    from kvlab.engine.engine import Engine
+    from kvlab.errors import ConfigError
+    from kvlab.hf.loader import load, resolve_model_dir
+
+    if args.kv_cache_memory is not None and args.num_blocks is not None:
+        raise ConfigError("give --kv-cache-memory or --num-blocks, not both")
+    if args.max_waiting < 1:
+        raise ConfigError(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    folder = resolve_model_dir(args.model)
+    model, tokenizer = load(folder, dtype=args.dtype)
+    if args.chat_template:
+        install_chat_template(tokenizer, Path(args.chat_template))
+    kv_dtype = None if args.kv_cache_dtype in (None, "auto") else args.kv_cache_dtype
+    engine = Engine(model, tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
+                    kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=kv_dtype,
+                    max_model_len=args.max_model_len)
+    name = args.model if args.model is not None else folder.name
+    return engine, tokenizer, name, str(folder)
+
+
+def install_chat_template(tokenizer, path: Path) -> None:
+    """Use the Jinja template in `path` for chat (the special-token strings come from the tokenizer)."""
+    from kvlab.errors import CheckpointError
+    from kvlab.hf.chat_template import ChatTemplate
+
+    try:
+        source = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read the chat template ({exc.strerror})") from None
+    special = {}
+    for name, token_id in (("bos_token", tokenizer.bos_token_id), ("eos_token", tokenizer.eos_token_id)):
+        if token_id is not None:
+            special[name] = tokenizer.token_text(token_id)
+    tokenizer.chat_template = ChatTemplate(source, special, origin=str(path))
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from kvlab.serve.app import create_app
+    except ImportError as exc:
+        from kvlab.errors import ConfigError
+        raise ConfigError(f"kvlab serve needs the serve extra ({exc.name} is missing): "
+                          "pip install 'kvlab[serve]'") from None
+
+    engine, tokenizer, name, root = build_engine(args)
+    names = args.served_model_name or [name]
+    app = create_app(engine, tokenizer, model_names=names, model_root=root, api_key=args.api_key or None,
+                     max_waiting=args.max_waiting)
+    engine_loop = app.state.kvlab.engine_loop
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # first signal: drain (503 for new work), then exit
+            engine_loop.begin_shutdown(args.shutdown_timeout)
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5, access_log=False)
+    pool = engine.block_pool
+    print(f"kvlab serve: {names[0]} on http://{args.host}:{args.port} (explorer at /, metrics at /metrics) | "
+          f"{pool.num_blocks} blocks x {args.block_size} tokens | max_model_len {engine.max_model_len} | "
+          f"prefix caching {'on' if args.enable_prefix_caching else 'off'}"
+          + (" | API key required" if args.api_key else ""), file=sys.stderr, flush=True)
+    Server(config).run()
+    return 0

@@ -1,0 +1,253 @@
+"""The OpenAI-compatible HTTP API on one `kvlab.Engine`: routes, error handlers, the explorer page.
+
+`create_app(engine, tokenizer, ...)` returns a FastAPI app whose lifespan starts and stops the engine loop
+thread (kvlab.serve.loop). Handlers validate and tokenize on the asyncio side, hand requests to the loop,
+and render its outputs; they never touch the engine directly.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvlab.errors import ContextLengthError, KVLabError
+from kvlab.serve.http import AbortingStreamingResponse, APIKeyMiddleware, unless_disconnected
+from kvlab.serve.loop import EngineFailure, EngineLoop, RequestGroup
+from kvlab.serve.metrics import CONTENT_TYPE, ServerMetrics
+from kvlab.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                  TokenizeRequest, bad_request)
+from kvlab.serve.responses import SSE_DONE, StreamRenderer, chat_body, completion_body, sse
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+
+NO_CHAT_TEMPLATE = ("this model has no chat template, so chat messages cannot be formatted; use "
+                    "/v1/completions with a prompt, or start the server with --chat-template FILE")
+
+
+class ServerState:
+    """What the handlers share: the loop, the tokenizer and the names the model is served under."""
+
+    def __init__(self, engine: Any, tokenizer: Any, model_names: list[str], model_root: str,
+                 max_waiting: int) -> None:
+        self.engine_loop = EngineLoop(engine, ServerMetrics(model_names[0]), max_waiting)
+        self.engine_loop.metrics.bind(lambda: self.engine_loop.stats)
+        self.tokenizer = tokenizer
+        self.model_names = model_names
+        self.model_root = model_root
+        self.max_model_len = int(engine.max_model_len)
+        self.vocab_size = int(engine.model.config.vocab_size)
+        self.created = int(time.time())
+
+    def model_name(self, requested: str | None) -> str:
+        """The name to answer with; 404 for a model this server does not serve."""
+        if requested is None or requested in self.model_names:
+            return requested or self.model_names[0]
+        raise APIError(404, f"The model `{requested}` does not exist.", "invalid_request_error", "model",
+                       "model_not_found")
+
+    def check_ids(self, ids: list[int], param: str) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})", param)
+
+    def render_chat(self, messages: list[Any], add_generation_prompt: bool) -> list[int]:
+        rendered = self.tokenizer.apply_chat_template([m.for_template() for m in messages],
+                                                      add_generation_prompt=add_generation_prompt)
+        if rendered is None:
+            raise bad_request(NO_CHAT_TEMPLATE, "messages", "chat_template_missing")
+        return self.tokenizer.encode(rendered, add_bos=False)
+
+
+def _hold_back(stops: list[str]) -> int:
+    return max((len(s) for s in stops), default=1) - 1
+
+
+def create_app(engine: Any, tokenizer: Any, *, model_names: list[str], model_root: str = "",
+               api_key: str | None = None, max_waiting: int = 256) -> FastAPI:
+    """The app; its lifespan runs the engine loop. Shutdown draining is the runner's: call
+    `app.state.kvlab.engine_loop.begin_shutdown(grace_s)` when a stop signal arrives."""
+    state = ServerState(engine, tokenizer, model_names, model_root, max_waiting)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.engine_loop.start()
+        try:
+            yield
+        finally:
+            state.engine_loop.stop()
+
+    app = FastAPI(title="kvlab", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.kvlab = state
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    _install_error_handlers(app)
+    loop = state.engine_loop
+
+    # --- plain endpoints ------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if loop.alive else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(loop.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/")
+    async def explorer() -> FileResponse:
+        return FileResponse(STATIC_DIR / "index.html")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": state.created, "owned_by": "kvlab",
+             "root": state.model_root, "parent": None, "max_model_len": state.max_model_len}
+            for name in state.model_names]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        state.model_name(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of prompt or messages", "prompt")
+        if body.messages is not None:
+            ids = state.render_chat(body.messages, body.add_generation_prompt)
+        else:
+            ids = state.tokenizer.encode(body.prompt, add_bos=None if body.add_special_tokens else False)
+        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        state.model_name(body.model)
+        state.check_ids(body.tokens, "tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, Any]:
+        return {"reset": bool(await loop.call(lambda engine: engine.reset_prefix_cache()))}
+
+    @app.get("/v1/cache/state")
+    async def cache_state() -> dict[str, Any]:
+        snapshot = await loop.call(lambda engine: engine.cache_state())
+        for block in snapshot.get("blocks", []):
+            block["text"] = state.tokenizer.decode(block.get("token_ids", []))
+        snapshot["model"] = state.model_names[0]
+        snapshot["num_waiting_http"] = loop.num_waiting
+        snapshot["time"] = time.time()
+        return snapshot
+
+    # --- generation -----------------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        model = state.model_name(body.model)
+        body.check_supported()
+        prompts = []
+        for prompt in body.prompts():
+            ids = state.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            state.check_ids(ids, "prompt")
+            prompts.append(ids)
+        state.check_ids(body.stop_token_ids, "stop_token_ids")
+        params = body.sampling_params(body.max_tokens, body.logprobs)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        group = await loop.add([(rid, p, params, body.cache_salt) for rid, p in zip(ids, prompts)])
+        if body.stream:
+            renderer = StreamRenderer("completion", request_id, model, body.n, state.tokenizer, body.logprobs,
+                                      body.include_usage, _hold_back(body.stop))
+            return AbortingStreamingResponse(_events(group, renderer), group.abort)
+        outputs = await _final(group, request)
+        if outputs is None:
+            return Response(status_code=499)
+        return JSONResponse(completion_body(request_id, model, outputs, body.n, state.tokenizer, body.logprobs))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        model = state.model_name(body.model)
+        body.check_supported()
+        prompt = state.render_chat(body.messages, body.add_generation_prompt)
+        state.check_ids(body.stop_token_ids, "stop_token_ids")
+        params = body.sampling_params(body.max_new_tokens, body.num_logprobs)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        group = await loop.add([(request_id, prompt, params, body.cache_salt)])
+        if body.stream:
+            renderer = StreamRenderer("chat", request_id, model, body.n, state.tokenizer, body.num_logprobs,
+                                      body.include_usage, _hold_back(body.stop))
+            return AbortingStreamingResponse(_events(group, renderer), group.abort)
+        outputs = await _final(group, request)
+        if outputs is None:
+            return Response(status_code=499)
+        return JSONResponse(chat_body(request_id, model, outputs[0], state.tokenizer, body.num_logprobs))
+
+    return app
+
+
+async def _final(group: RequestGroup, request: Request) -> list[Any] | None:
+    """The finished outputs in prompt order, or None if the client left first (the requests are aborted)."""
+    latest: dict[int, Any] = {}
+
+    async def collect() -> None:
+        async for update in group.updates():
+            latest.update(update)
+
+    try:
+        finished, _ = await unless_disconnected(request, collect())
+    except EngineFailure as failure:
+        raise failure.error from None
+    finally:
+        group.abort()   # no-op when every request finished
+    return [latest[i] for i in sorted(latest)] if finished else None
+
+
+async def _events(group: RequestGroup, renderer: StreamRenderer):
+    """The SSE body: chunks as tokens arrive, the usage chunk if asked for, then [DONE]."""
+    try:
+        async for update in group.updates():
+            for line in renderer.chunks(update):
+                yield line
+        if renderer.include_usage:
+            yield renderer.usage_chunk()
+    except EngineFailure as failure:
+        yield sse(failure.error.body())
+    yield SSE_DONE
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(KVLabError)
+    async def kvlab_error(request: Request, exc: KVLabError) -> JSONResponse:
+        code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else None
+        return JSONResponse(bad_request(str(exc), code=code).body(), status_code=400)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = loc[0] if loc else None   # the top-level field (deeper parts may be pydantic type tags)
+        if first.get("type") == "json_invalid":
+            message, param = "the request body is not valid JSON", None
+        else:
+            message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: "
+                                f"{e.get('msg', 'invalid')}" for e in errors[:5])
+        return JSONResponse(bad_request(message, param).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(exc.status_code, str(exc.detail), kind).body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(APIError(500, "internal server error", "internal_server_error").body(),
+                            status_code=500)

@@ -1,0 +1,184 @@
+"""The wire format: OpenAI request bodies as validated pydantic models, and OpenAI-shaped errors.
+
+Field names and meanings follow the OpenAI API, plus vLLM's sampling extensions (`top_k`, `min_p`,
+`ignore_eos`, `stop_token_ids`, `cache_salt`), so clients written for either work unchanged. Anything a
+client can send is checked here or by the engine's own validation before it reaches the engine loop; the
+engine never sees a value of the wrong type.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+
+from kvlab.engine.sampling import SamplingParams
+
+MAX_LOGPROBS = 20          # OpenAI's bound for logprobs / top_logprobs
+MAX_N = 64
+MAX_STOP_STRINGS = 16      # OpenAI allows 4; vLLM is unbounded; a bound keeps matching cheap
+GREEDY_BELOW = 1e-5        # vLLM's epsilon: smaller temperatures are greedy (no division by ~0)
+
+
+class APIError(Exception):
+    """An error sent to the client as `{"error": {"message", "type", "param", "code"}}` with `status`."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+class _Body(BaseModel):
+    # Unknown fields are ignored, as OpenAI and vLLM do: clients send vendor fields we do not know.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingBody(_Body):
+    """Fields both endpoints share."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)   # OpenAI's default is 1.0, not greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = Field(None, validate_default=True)
+    stop_token_ids: list[StrictInt] = Field(default_factory=list)
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = Field(None, min_length=1)
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: str | list[str] | None) -> list[str]:
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return stops
+
+    def check_supported(self) -> None:
+        """Refuse what kvlab does not implement rather than silently ignoring it."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0.0:
+                raise bad_request(f"{name} is not supported by kvlab (only 0.0)", name)
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        temperature = self.temperature if self.temperature >= GREEDY_BELOW else 0.0
+        return SamplingParams(n=self.n, max_tokens=max_tokens, temperature=temperature, top_p=self.top_p,
+                              top_k=self.top_k, min_p=self.min_p, seed=self.seed,
+                              stop_token_ids=tuple(self.stop_token_ids), stop=tuple(self.stop),
+                              ignore_eos=self.ignore_eos, logprobs=logprobs)
+
+
+Prompt = str | list[str] | list[StrictInt] | list[list[StrictInt]]
+
+
+class CompletionRequest(_SamplingBody):
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=1)      # OpenAI's and vLLM's default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise bad_request("echo is not supported by kvlab", "echo")
+        if self.suffix:
+            raise bad_request("suffix is not supported by kvlab", "suffix")
+        if self.best_of not in (None, self.n):
+            raise bad_request("best_of other than n is not supported by kvlab", "best_of")
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The batch: one string or token list per prompt."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        if isinstance(prompt[0], int):
+            return [list(prompt)]               # one prompt as token ids
+        return [p if isinstance(p, str) else list(p) for p in prompt]
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    model_config = ConfigDict(extra="allow")   # name, tool_call_id, ... go to the template as they are
+    role: str = Field(min_length=1)
+    content: str | list[ContentPart] | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template expects it: content as one string."""
+        content = self.content
+        if isinstance(content, list):
+            if any(part.type != "text" or part.text is None for part in content):
+                raise bad_request("only text content parts are supported", "messages")
+            content = "".join(part.text for part in content)
+        extra = {k: v for k, v in (self.model_extra or {}).items() if v is not None}
+        return {**extra, "role": self.role, "content": content if content is not None else ""}
+
+
+class ChatCompletionRequest(_SamplingBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)        # None: to EOS or the end of the context
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[StrictInt]
+

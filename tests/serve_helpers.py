@@ -1,0 +1,108 @@
+"""A real `kvlab serve` subprocess for tests: a free loopback port, /health polled, stopped by PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVE = [sys.executable, "-m", "kvlab", "serve"]
+START_TIMEOUT_S = 90
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """`kvlab serve ARGS` on 127.0.0.1; `stop()` ends exactly the process this started."""
+
+    def __init__(self, *args: str, log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"server-{self.port}.log"
+        full_env = {k: v for k, v in os.environ.items() if k != "KVLAB_API_KEY"}
+        full_env.update(env or {})
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([*SERVE, "--host", "127.0.0.1", "--port", str(self.port),
+                                          "--log-level", "warning", *args],
+                                         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+        self._wait_healthy()
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvlab serve exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"kvlab serve did not become healthy in {START_TIMEOUT_S} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+        """Signal the server and wait; the exit status (uvicorn re-raises SIGTERM after a graceful
+        shutdown, so a clean stop reads as 0 or -SIGTERM; see `clean_exit`)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    # --- reading the server -------------------------------------------------------------------------------
+    def get(self, path: str, **kw: Any) -> httpx.Response:
+        return httpx.get(f"{self.url}{path}", timeout=30, **kw)
+
+    def post(self, path: str, body: Any = None, **kw: Any) -> httpx.Response:
+        return httpx.post(f"{self.url}{path}", json=body, timeout=60, **kw)
+
+    def cache_state(self, **kw: Any) -> dict[str, Any]:
+        response = self.get("/v1/cache/state", **kw)
+        response.raise_for_status()
+        return response.json()
+
+    def wait_idle(self, timeout: float = 15.0, **kw: Any) -> dict[str, Any]:
+        """The cache state once no request is left and no block is referenced (fails after `timeout`)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state = self.cache_state(**kw)
+            if not state["requests"] and state["num_used_blocks"] == 0:
+                return state
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the server did not go idle: {state['requests']}, "
+                                     f"{state['num_used_blocks']} blocks in use")
+            time.sleep(0.05)
+
+    def metrics(self) -> dict[str, float]:
+        """Every kvlab: sample without labels other than model_name, by sample name."""
+        text = self.get("/metrics").text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if set(sample.labels) <= {"model_name"}:
+                    out[sample.name] = sample.value
+        return out
+
+
+def clean_exit(status: int) -> bool:
+    return status in (0, -signal.SIGTERM)
