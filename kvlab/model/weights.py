@@ -115,7 +115,7 @@ def resolve_weights_dtype(request: object, compute_dtype: np.dtype, weights: Map
         return compute_dtype
     if name == "auto":
         stored = {np.dtype(a.dtype).name for a in weights.values() if np.ndim(a) == 2}
-        if len(stored) != 1 or next(iter(stored)) not in HALF_DTYPES:
+        if len(stored) != 1 or next(iter(stored)) not in HALF_DTYPES or compute_dtype != np.float32:
             return compute_dtype
         name = stored.pop()
     if name not in HALF_DTYPES:
@@ -142,5 +142,5 @@ def fingerprint(config: ModelConfig, dtype: np.dtype, weights: Mapping[str, np.n
     for name in sorted(weights):
         array = np.ascontiguousarray(weights[name])
         digest.update(f"{name}|{array.dtype.name}|{array.shape}".encode())
-        digest.update(memoryview(array).cast("B"))
+        digest.update(array.reshape(-1).view(np.uint8))  # bytes of any dtype (bfloat16 has no buffer format)
     return digest.hexdigest()
