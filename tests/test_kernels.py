@@ -245,3 +245,15 @@ def test_numpy_fallback_when_numba_cannot_be_imported():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "numpy-ok" in result.stdout
+
+
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_verify_covers_both_backends(capsys, backend, dtype):
+    import json
+
+    from kvlab.cli import main
+    assert main(["verify", "--backend", backend, "--dtype", dtype, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] and report["model"].endswith(f"{backend} backend")
+    assert max(c["max_abs_error"] for c in report["checks"]) <= (1e-10 if dtype == "float64" else 1e-4)

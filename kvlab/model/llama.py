@@ -358,5 +358,6 @@ class TinyLlama(LlamaModel):
     for the verifier's negative control, `num_key_value_heads=1` for MQA).
     """
 
-    def __init__(self, seed: int = 0, dtype: object = np.float64, **config_changes: Any) -> None:
-        super().__init__(tiny_config(**config_changes), dtype=dtype, seed=seed)
+    def __init__(self, seed: int = 0, dtype: object = np.float64, backend: str | None = None,
+                 **config_changes: Any) -> None:
+        super().__init__(tiny_config(**config_changes), dtype=dtype, seed=seed, backend=backend)
