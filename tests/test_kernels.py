@@ -257,3 +257,18 @@ def test_verify_covers_both_backends(capsys, backend, dtype):
     report = json.loads(capsys.readouterr().out)
     assert report["passed"] and report["model"].endswith(f"{backend} backend")
     assert max(c["max_abs_error"] for c in report["checks"]) <= (1e-10 if dtype == "float64" else 1e-4)
+
+
+def test_load_weights_dtype_choices():
+    """The shipped float32 model: "auto" keeps float32; "bfloat16" rounds on request; nonsense is refused."""
+    import kvlab
+    from kvlab.errors import ConfigError
+    model, _ = kvlab.load()
+    assert model.weights_dtype == np.float32
+    half, _ = kvlab.load(weights_dtype="bfloat16")
+    assert half.weights_dtype == BFLOAT16 and half.lm_head.dtype == BFLOAT16
+    ids = np.arange(1, 9)[None]
+    err = np.abs(half.forward(ids).logits - model.forward(ids).logits).max()
+    assert 0 < err < 0.5  # rounding the weights is a real (small) change: measured, not assumed zero
+    with pytest.raises(ConfigError, match="weights_dtype must be"):
+        kvlab.load(weights_dtype="int8")
