@@ -8,6 +8,7 @@ batches, weight and cache dtypes). Errors are measured against float32 rounding,
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 
@@ -92,26 +93,39 @@ def test_fused_norm_and_swiglu_products_equal_their_twins(rows, inter, hidden, w
 
 
 # --- decode attention ---------------------------------------------------------------------------------
+@contextlib.contextmanager
+def threshold(rows: int):
+    """Force the parallel (0) or the single-threaded (huge) attention kernel, whatever the size."""
+    saved = attention.PARALLEL_MIN_ROWS
+    attention.PARALLEL_MIN_ROWS = rows
+    try:
+        yield
+    finally:
+        attention.PARALLEL_MIN_ROWS = saved
+
+
 @given(batch=st.integers(1, 3), kv_heads=st.integers(1, 3), group=st.integers(1, 4),
        head_dim=st.sampled_from([2, 8, 64]), length=st.integers(1, 200), data=st.data(),
-       cache=st.sampled_from(WEIGHT_DTYPES), seed=st.integers(0, 2**16))
-def test_contiguous_decode_attention_equals_twin(batch, kv_heads, group, head_dim, length, data, cache, seed):
+       cache=st.sampled_from(WEIGHT_DTYPES), parallel=st.booleans(), seed=st.integers(0, 2**16))
+def test_contiguous_decode_attention_equals_twin(batch, kv_heads, group, head_dim, length, data, cache, parallel,
+                                                 seed):
     rng = np.random.default_rng(seed)
     start = data.draw(st.integers(0, length - 1), label="start (window)")
     capacity = length + data.draw(st.integers(0, 9), label="spare capacity")
     keys = (2 * rng.standard_normal((batch, kv_heads, capacity, head_dim))).astype(as_dtype(cache))
     values = rng.standard_normal((batch, kv_heads, capacity, head_dim)).astype(as_dtype(cache))
     q = (2 * rng.standard_normal((batch, kv_heads * group, head_dim))).astype(np.float32)
-    got = attention.decode_attention(q, keys, values, start, length)
+    with threshold(0 if parallel else 10**9):
+        got = attention.decode_attention(q, keys, values, start, length)
     want = attention.decode_attention_reference(q, keys, values, start, length)
     assert np.abs(got - want).max() <= 2e-6 * head_dim
 
 
 @given(num_seqs=st.integers(1, 4), kv_heads=st.integers(1, 3), group=st.integers(1, 3),
        block_size=st.sampled_from([1, 4, 16, 32]), cache=st.sampled_from(WEIGHT_DTYPES), data=st.data(),
-       seed=st.integers(0, 2**16))
+       parallel=st.booleans(), seed=st.integers(0, 2**16))
 def test_paged_decode_attention_equals_twin_and_contiguous(num_seqs, kv_heads, group, block_size, cache, data,
-                                                           seed):
+                                                           parallel, seed):
     """Keys in shuffled blocks through block tables give what the same keys give laid out contiguously."""
     rng = np.random.default_rng(seed)
     head_dim = 16
@@ -129,7 +143,8 @@ def test_paged_decode_attention_equals_twin_and_contiguous(num_seqs, kv_heads, g
         tables[s, :count] = order[used:used + count]
         used += count
     q = rng.standard_normal((num_seqs, kv_heads * group, head_dim)).astype(np.float32)
-    got = attention.paged_decode_attention(q, k_blocks, v_blocks, tables, lens, starts)
+    with threshold(0 if parallel else 10**9):
+        got = attention.paged_decode_attention(q, k_blocks, v_blocks, tables, lens, starts)
     want = attention.paged_decode_attention_reference(q, k_blocks, v_blocks, tables, lens, starts)
     assert np.abs(got - want).max() <= 2e-6 * head_dim
     for s, n in enumerate(lens):  # the contiguous kernel on the gathered rows
