@@ -3,8 +3,9 @@
 A decode step is a chain of products `x @ W.T` with x a few rows ([M, K], M = batch) and W a checkpoint
 matrix [N, K] ([out, in], as stored): it is bound by reading W. These kernels read each row of W once
 per step, widen half-precision elements in registers (see bits.py) and accumulate in float32 (float64
-for a float64 model), with output rows split over the threads. Rows of x go four at a time so that W's
-row, read once from memory, feeds four accumulators from L1 (M = 4..16 would otherwise be compute-bound).
+for a float64 model), with output rows split over the threads. Rows of x go eight (then four) at a time:
+W's row, read and widened once, feeds eight accumulators in registers (batch 16 took 1.3-1.5x less time
+than with blocks of four, measured single-threaded), so small batches do not turn compute-bound.
 
 Fused forms save a pass or a call where a decode step chains them: RMSNorm before a product, the
 residual add after one, SwiGLU before the down projection. Larger M (prefill) goes to BLAS on a
@@ -32,7 +33,23 @@ def _matvec(x, w, out, zero):
     rows, depth = x.shape
     for n in prange(w.shape[0]):
         wn = w[n]
-        for b in range(0, rows - 3, 4):
+        for b in range(0, rows - 7, 8):
+            x0, x1, x2, x3 = x[b], x[b + 1], x[b + 2], x[b + 3]
+            x4, x5, x6, x7 = x[b + 4], x[b + 5], x[b + 6], x[b + 7]
+            a0, a1, a2, a3, a4, a5, a6, a7 = zero, zero, zero, zero, zero, zero, zero, zero
+            for k in range(depth):
+                v = widen(wn[k])
+                a0 += x0[k] * v
+                a1 += x1[k] * v
+                a2 += x2[k] * v
+                a3 += x3[k] * v
+                a4 += x4[k] * v
+                a5 += x5[k] * v
+                a6 += x6[k] * v
+                a7 += x7[k] * v
+            out[b, n], out[b + 1, n], out[b + 2, n], out[b + 3, n] = a0, a1, a2, a3
+            out[b + 4, n], out[b + 5, n], out[b + 6, n], out[b + 7, n] = a4, a5, a6, a7
+        for b in range(rows - rows % 8, rows - 3, 4):
             x0, x1, x2, x3 = x[b], x[b + 1], x[b + 2], x[b + 3]
             a0, a1, a2, a3 = zero, zero, zero, zero
             for k in range(depth):
