@@ -7,8 +7,8 @@ for a float64 model), with output rows split over the threads. Rows of x go eigh
 W's row, read and widened once, feeds eight accumulators in registers (batch 16 took 1.3-1.5x less time
 than with blocks of four, measured single-threaded), so small batches do not turn compute-bound.
 
-Fused forms save a pass or a call where a decode step chains them: RMSNorm before a product, the
-residual add after one, SwiGLU before the down projection. Larger M (prefill) goes to BLAS on a
+Paired forms keep a decode step's chains in compiled code: RMSNorm before a product (`norm_linear`),
+SwiGLU before the down projection (`swiglu_linear`). Larger M (prefill) goes to BLAS on a
 float32 copy of W widened by a parallel kernel: there the work is compute, which BLAS does best.
 The NumPy twins are `kvlab.model.layers.linear`, `rms_norm` and `swiglu`.
 """
