@@ -1,19 +1,20 @@
-"""kvlab vs transformers on a real checkpoint, against the memory-bandwidth roofline, in one run.
+"""kvlab (NumPy reference and compiled kernels, float32 and bfloat16 weights) vs transformers, one run.
 
 A random model of SmolLM2-135M's shape (hidden 576, intermediate 1536, 30 layers, 9 heads / 3 KV heads,
-vocab 49152, tied embeddings, rope_theta 100000) is saved by transformers in float32 to bench/out/ (once)
-and loaded by both engines. With the same thread count, side by side at each context length:
+vocab 49152, tied embeddings) is saved by transformers in float32 and in bfloat16 to bench/out/ (once)
+and loaded by every engine. Side by side, alternating engines round by round so drift hits all alike:
 
-  * decode ms/token: kvlab's forward with its KV cache, and transformers' `generate` with its cache (each
-    token's arrival timed through a streamer): the median step;
-  * prefill tokens/s: one forward over the prompt, up to the first new token (both);
-  * the roofline: bytes one decode step must read (every weight once, the LM head once, the K/V cache at
-    that context) divided by the read bandwidth this script measures with a large (512 MiB) sgemv;
-  * the gemv floor: the time of just the step's matrix-vector products (four per layer, the LM head) on
-    kvlab's own weight arrays, back to back. It separates what OpenBLAS achieves on these small cold
-    matrices (floor vs roofline) from everything else kvlab does in a step (kvlab vs floor).
+  * decode ms/token at each context (median step, best round) and prefill time of that context's prompt;
+  * the roofline: bytes a step must read (weights as stored + the K/V cache at that context) divided by
+    the streaming-read bandwidth measured in the same round (a parallel sum over 512 MiB, not a gemv);
+  * batched decode (batch 1/4/16 at 128 context): tokens/s and the ratio to batch 1;
+  * a busy neighbour: a busy loop on one core beside the compiled decode, with 1 and 2 numba threads;
+  * numba's first-run compile time (a cold cache directory) and a warm start, in subprocesses.
 
-    python bench/bench_hf_decode.py [--threads 2] [--contexts 128 1024] [--steps 32] [--repeats 3]
+llama.cpp is not run here: llama-cpp-python has no prebuilt wheel for this machine (a source build on
+two shared cores is too slow); FIELD-NOTES' llama.cpp figures are quoted as context, not same-run.
+
+    python bench/bench_hf_decode.py [--threads 2] [--contexts 128 1024] [--batches 1 4 16] [--steps 16]
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,37 +34,45 @@ SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidd
              num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
              rope_theta=100000.0, max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=0,
              eos_token_id=0)
+# llama.cpp (llama-cpp-python 0.3.36) on the same shape, 2 threads, from /work/shared/FIELD-NOTES.md:
+# another day, another run: context only.
+LLAMA_CPP_NOTES = {"f32": (11.0, 14.0), "f16": (7.0, 8.0)}
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--contexts", type=int, nargs="+", default=[128, 1024])
-    p.add_argument("--steps", type=int, default=32, help="decode steps timed per context and engine")
-    p.add_argument("--repeats", type=int, default=3, help="alternating rounds; the best round is reported")
-    p.add_argument("--model-dir", type=Path, default=OUT / "smollm2-135m-shape-f32")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--steps", type=int, default=16, help="decode steps timed per context and engine")
+    p.add_argument("--repeats", type=int, default=2, help="alternating rounds; the best round is reported")
     p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--no-busy", action="store_true", help="skip the busy-neighbour round")
+    p.add_argument("--no-compile-time", action="store_true", help="skip the cold/warm compile subprocesses")
     return p.parse_args()
 
 
 ARGS = parse_args()
-# Thread counts must be fixed before NumPy (OpenBLAS) and torch start their pools.
-for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+# Thread counts must be fixed before NumPy (OpenBLAS), numba and torch start their pools. Every engine
+# gets the same OpenMP wait policy (kvlab's default, see kvlab/kernels/__init__.py).
+for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
     os.environ[var] = str(ARGS.threads)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's kvlab, not an installed one
 from kvlab.hf import load_model  # noqa: E402
 
 
-def make_checkpoint(folder: Path) -> None:
-    """Seeded random weights of the SmolLM2-135M shape, saved by transformers in float32 (once)."""
-    if (folder / "model.safetensors").is_file():
+def make_checkpoints(f32: Path, bf16: Path) -> None:
+    """Seeded random weights of the SmolLM2-135M shape, saved by transformers in float32 and bfloat16."""
+    if (f32 / "model.safetensors").is_file() and (bf16 / "model.safetensors").is_file():
         return
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    print(f"writing {folder} ...", file=sys.stderr)
+    print(f"writing {f32} and {bf16} ...", file=sys.stderr)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**SHAPE, architectures=["LlamaForCausalLM"]))
     with torch.no_grad():  # weights of realistic scale, so softmax and argmax are not degenerate
@@ -70,67 +81,53 @@ def make_checkpoint(folder: Path) -> None:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
-    model.save_pretrained(folder)
+    model.save_pretrained(f32)
+    model.to(torch.bfloat16).save_pretrained(bf16)
 
 
-def measure_bandwidth(repeats: int = 7) -> float:
-    """Read bandwidth (bytes/s) of a 512 MiB float32 sgemv: the kernel a decode step spends its time in."""
-    rng = np.random.default_rng(0)
-    matrix = rng.standard_normal((8192, 16384), dtype=np.float32)
-    vector = rng.standard_normal(8192, dtype=np.float32)
+def measure_bandwidth(repeats: int = 5) -> float:
+    """Streaming-read bandwidth (bytes/s): a parallel sum over 512 MiB of float32, on the kernels' threads."""
+    from numba import njit, prange
+
+    @njit(parallel=True, fastmath=True, cache=True)
+    def total(a):
+        s = np.float32(0.0)
+        for i in prange(a.shape[0]):
+            s += a[i]
+        return s
+
+    data = np.ones(128 * 1024 * 1024, dtype=np.float32)
+    total(data)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        vector @ matrix
+        total(data)
         best = min(best, time.perf_counter() - start)
-    return matrix.nbytes / best
+    return data.nbytes / best
 
 
-def gemv_floor(model, repeats: int = 5) -> float:
-    """Seconds for one decode step's matrix-vector products alone (four per layer and the LM head), on the
-    model's own weights as kvlab lays them out: what NumPy/OpenBLAS achieves for the weight reads with no
-    other work in between. The gap from here to the roofline is the BLAS kernels on small cold matrices;
-    the gap from kvlab to here is everything else a step does (norms, RoPE, attention, Python)."""
+def step_bytes(model, context: int, batch: int = 1) -> int:
+    """Bytes a decode step reads: every weight matrix as stored, once (the LM head included), plus the
+    K/V cache of every sequence at `context`."""
     c = model.config
-    h = np.ones((1, c.hidden_size), model.dtype)
-    attn = np.ones((1, c.num_attention_heads * c.head_dim), model.dtype)
-    act = np.ones((1, c.intermediate_size), model.dtype)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for layer in model.layers:
-            h @ layer.w_qkv
-            attn @ layer.w_o
-            h @ layer.w_gate_up
-            act @ layer.w_down.T
-        h @ model.lm_head
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def decode_bytes(model, context: int) -> int:
-    """Bytes a decode step reads at `context`: all weights (tied head read once more as the head; the
-    embedding row is negligible) plus K and V of every layer."""
-    c = model.config
-    per_layer = sum(getattr(layer, n).nbytes for layer in model.layers[:1]
-                    for n in ("w_qkv", "w_o", "w_gate_up", "w_down", "input_norm", "post_norm"))
-    weights = per_layer * c.num_hidden_layers + model.lm_head.nbytes + model.norm.nbytes
-    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * context * c.head_dim * model.dtype.itemsize
+    weights = sum(getattr(layer, n).nbytes for layer in model.layers
+                  for n in ("w_qkv", "w_o", "w_gate_up", "w_down")) + model.lm_head.nbytes
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * context * c.head_dim * 4 * batch
     return weights + kv
 
 
 def kvlab_run(model, prompt: np.ndarray, steps: int) -> tuple[float, float]:
-    """(prefill seconds, median decode seconds per token) with kvlab's cache."""
-    cache = model.new_cache(1, capacity=prompt.shape[1] + steps + 1)
+    """(prefill seconds, median decode seconds per step) with kvlab's cache; prompt [B, T]."""
+    cache = model.new_cache(prompt.shape[0], capacity=prompt.shape[1] + steps + 1)
     start = time.perf_counter()
     logits = model.forward(prompt, cache=cache, logits_to_keep=1).logits
     prefill = time.perf_counter() - start
-    token = np.array([[int(np.argmax(logits[0, -1]))]])
+    token = np.argmax(logits[:, -1], axis=-1)[:, None]
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         logits = model.forward(token, cache=cache, logits_to_keep=1).logits
-        token[0, 0] = int(np.argmax(logits[0, -1]))
+        token = np.argmax(logits[:, -1], axis=-1)[:, None]
         times.append(time.perf_counter() - start)
     return prefill, statistics.median(times)
 
@@ -149,74 +146,191 @@ class _TokenClock:
 
 
 def transformers_run(ref, prompt: np.ndarray, steps: int) -> tuple[float, float]:
-    """(prefill seconds, median decode seconds per token) with transformers' generate and its DynamicCache."""
+    """(prefill seconds, median decode seconds per token) with transformers' generate and its cache."""
     import torch
 
     ids = torch.from_numpy(prompt)
     clock = _TokenClock()
     with torch.no_grad():
         start = time.perf_counter()
-        out = ref.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=None,
-                           pad_token_id=1, max_new_tokens=1 + steps, min_new_tokens=1 + steps, streamer=clock)
-    assert out.shape[1] == prompt.shape[1] + 1 + steps and len(clock.times) == 2 + steps
-    first = clock.times[1]  # the prompt is put at times[0], then one put per new token
-    return first - start, statistics.median(np.diff(clock.times[1:]))
+        ref.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=None,
+                     pad_token_id=1, max_new_tokens=1 + steps, min_new_tokens=1 + steps, streamer=clock)
+    return clock.times[1] - start, statistics.median(np.diff(clock.times[1:]))
+
+
+def compile_times(model_dir: Path) -> dict[str, float]:
+    """Seconds for a fresh process to load the bf16 model and run a prefill and a decode step, with an
+    empty numba cache (the first run ever: compiles) and again (the cache on disk: loads)."""
+    code = ("import time, numpy as np; t = time.perf_counter(); import kvlab\n"
+            f"m = kvlab.hf.load_model({str(model_dir)!r}); c = m.new_cache()\n"
+            "m.forward(np.arange(1, 20)[None], cache=c); m.forward([[3]], cache=c)\n"
+            "print(time.perf_counter() - t)")
+    result = {}
+    with tempfile.TemporaryDirectory() as cache_dir:
+        env = {**os.environ, "NUMBA_CACHE_DIR": cache_dir}
+        for name in ("cold", "warm"):
+            out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                 check=True)
+            result[name] = float(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def busy_neighbour(models: dict, prompt: np.ndarray, steps: int) -> list[dict]:
+    """Decode ms/step quiet and with a busy loop beside it, for 1 and 2 numba threads."""
+    import numba
+
+    rows = []
+    for busy in (False, True):
+        proc = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+        try:
+            time.sleep(0.5 if busy else 0)
+            for name, model in models.items():
+                for threads in (1, ARGS.threads):
+                    numba.set_num_threads(threads)
+                    _, decode = kvlab_run(model, prompt, steps)
+                    rows.append({"engine": name, "threads": threads, "busy": busy, "decode": decode})
+        finally:
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+    numba.set_num_threads(ARGS.threads)
+    return rows
 
 
 def main() -> None:
-    make_checkpoint(ARGS.model_dir)
-    model = load_model(ARGS.model_dir)
-    ref = None
+    from rich.console import Console
+    from rich.table import Table
+
+    f32_dir, bf16_dir = OUT / "smollm2-135m-shape-f32", OUT / "smollm2-135m-shape-bf16"
+    make_checkpoints(f32_dir, bf16_dir)
+    con = Console(stderr=True)
+    compiled = {}
+    if not ARGS.no_compile_time:
+        compiled = compile_times(bf16_dir)
+        con.print(f"numba compile: first run (cold cache) {compiled['cold']:.1f} s, later runs {compiled['warm']:.1f} s")
+    engines = {"kvlab numpy f32": load_model(f32_dir, backend="numpy"),
+               "kvlab compiled f32": load_model(f32_dir, backend="numba"),
+               "kvlab compiled bf16": load_model(bf16_dir, backend="numba")}
+    assert engines["kvlab compiled bf16"].weights_dtype.name == "bfloat16"
     if not ARGS.no_transformers:
         import torch
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(ARGS.threads)
-        ref = AutoModelForCausalLM.from_pretrained(ARGS.model_dir, dtype=torch.float32).eval()
-        ref.generation_config.eos_token_id = None
-    bandwidth = measure_bandwidth()
-    floor = float("inf")
+        for label, dtype in (("transformers f32", torch.float32), ("transformers bf16", torch.bfloat16)):
+            ref = AutoModelForCausalLM.from_pretrained(f32_dir if dtype == torch.float32 else bf16_dir,
+                                                       dtype=dtype).eval()
+            ref.generation_config.eos_token_id = None
+            engines[label] = ref
     rng = np.random.default_rng(0)
-    rows = []
+    bandwidth = 0.0
+    results: dict[str, dict] = {}
     for context in ARGS.contexts:
-        prompt = rng.integers(2, model.config.vocab_size, size=(1, context))
-        best = {"kv_prefill": 1e9, "kv_decode": 1e9, "hf_prefill": 1e9, "hf_decode": 1e9}
-        for _ in range(ARGS.repeats):  # alternate engines so drift hits both alike
-            floor = min(floor, gemv_floor(model, repeats=3))
-            bandwidth = max(bandwidth, measure_bandwidth(repeats=3))
-            prefill, decode = kvlab_run(model, prompt, ARGS.steps)
-            best["kv_prefill"], best["kv_decode"] = min(best["kv_prefill"], prefill), min(best["kv_decode"], decode)
-            if ref is not None:
-                prefill, decode = transformers_run(ref, prompt, ARGS.steps)
-                best["hf_prefill"] = min(best["hf_prefill"], prefill)
-                best["hf_decode"] = min(best["hf_decode"], decode)
-        nbytes = decode_bytes(model, context)
-        rows.append({"context": context, **best, "roofline": nbytes / bandwidth, "bytes": nbytes,
-                     "gemv_floor": floor})
+        prompt = rng.integers(2, SHAPE["vocab_size"], size=(1, context))
+        best = {name: [1e9, 1e9] for name in engines}
+        for _ in range(ARGS.repeats):
+            bandwidth = max(bandwidth, measure_bandwidth(3))
+            for name, engine in engines.items():
+                run = transformers_run if name.startswith("transformers") else kvlab_run
+                prefill, decode = run(engine, prompt, ARGS.steps)
+                best[name] = [min(best[name][0], prefill), min(best[name][1], decode)]
+        results[str(context)] = {name: {"prefill": p, "decode": d} for name, (p, d) in best.items()}
+    batch_rows = []
+    prompt = rng.integers(2, SHAPE["vocab_size"], size=(max(ARGS.batches), 128))
+    for name in ("kvlab compiled f32", "kvlab compiled bf16", "kvlab numpy f32"):
+        for batch in ARGS.batches:
+            decode = min(kvlab_run(engines[name], prompt[:batch], ARGS.steps)[1] for _ in range(ARGS.repeats))
+            batch_rows.append({"engine": name, "batch": batch, "decode": decode, "tokens_per_s": batch / decode})
+    busy_rows = [] if ARGS.no_busy else busy_neighbour(
+        {n: engines[n] for n in ("kvlab compiled f32", "kvlab compiled bf16")}, prompt[:1], ARGS.steps)
 
-    print(f"SmolLM2-135M shape, random float32 weights ({ARGS.model_dir.name}); {ARGS.threads} threads; "
-          f"measured sgemv read bandwidth {bandwidth / 1e9:.1f} GB/s; decode = median of {ARGS.steps} steps, "
-          f"best of {ARGS.repeats} alternating rounds")
-    header = (f"{'context':>7} | {'kvlab ms/tok':>12} {'HF ms/tok':>10} {'roofline':>9} {'gemv floor':>10} | "
-              f"{'HF/kvlab':>8} {'kvlab/roof':>10} {'kvlab/floor':>11} | {'kvlab prefill tok/s':>19} "
-              f"{'HF prefill tok/s':>16} {'kvlab/HF':>8}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        has_hf = r["hf_decode"] < 1e9
-        hf_decode = f"{1e3 * r['hf_decode']:10.2f}" if has_hf else f"{'-':>10}"
-        speedup = f"{r['hf_decode'] / r['kv_decode']:7.2f}x" if has_hf else f"{'-':>8}"
-        kv_rate, hf_rate = r["context"] / r["kv_prefill"], r["context"] / r["hf_prefill"]
-        print(f"{r['context']:>7} | {1e3 * r['kv_decode']:12.2f} {hf_decode} {1e3 * r['roofline']:9.2f} "
-              f"{1e3 * r['gemv_floor']:10.2f} | {speedup} {r['kv_decode'] / r['roofline']:9.2f}x "
-              f"{r['kv_decode'] / r['gemv_floor']:10.2f}x | {kv_rate:19.0f} "
-              + (f"{hf_rate:16.0f} {kv_rate / hf_rate:7.2f}x" if has_hf else f"{'-':>16} {'-':>8}"))
-    print(f"roofline = bytes a step reads ({rows[0]['bytes'] / 1e6:.0f} MB + K/V) / measured bandwidth; gemv floor "
-          "= the step's matrix-vector products alone, on kvlab's weights")
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown CPU")
+    load = os.getloadavg()[0]
+    title = (f"SmolLM2-135M shape, random weights; {cpu}, {ARGS.threads} threads; streaming read "
+             f"{bandwidth / 1e9:.1f} GB/s measured in the same run; load average {load:.1f} (a shared "
+             "machine: compare ratios, not absolute times)")
+    table = Table(title=title)
+    for column in ("context", "engine", "decode ms/tok", "x roofline", "HF f32 / engine", "prefill ms",
+                   "prefill vs HF f32"):
+        table.add_column(column, justify="right" if column != "engine" else "left")
+    rows = []
+    for context, by_engine in results.items():
+        hf = by_engine.get("transformers f32")
+        for name, r in by_engine.items():
+            model = engines[name] if name.startswith("kvlab") else None
+            roof = step_bytes(model, int(context)) / bandwidth if model is not None else None
+            row = {"context": int(context), "engine": name, **r, "roofline": roof}
+            rows.append(row)
+            table.add_row(context, name, f"{1e3 * r['decode']:.2f}",
+                          f"{r['decode'] / roof:.2f}x" if roof else "-",
+                          f"{hf['decode'] / r['decode']:.2f}x" if hf else "-", f"{1e3 * r['prefill']:.0f}",
+                          f"{hf['prefill'] / r['prefill']:.2f}x" if hf else "-")
+    con.print(table)
+    batch_table = Table(title="batched decode at 128 context (weights read once per step for the batch)")
+    for column in ("engine", "batch", "ms/step", "tokens/s", "x batch 1"):
+        batch_table.add_column(column)
+    for r in batch_rows:
+        one = next(b for b in batch_rows if b["engine"] == r["engine"] and b["batch"] == ARGS.batches[0])
+        batch_table.add_row(r["engine"], str(r["batch"]), f"{1e3 * r['decode']:.2f}", f"{r['tokens_per_s']:.0f}",
+                            f"{r['tokens_per_s'] / one['tokens_per_s']:.2f}x")
+    con.print(batch_table)
+    if busy_rows:
+        busy_table = Table(title="busy neighbour: a busy loop on one core beside decode at 128 context")
+        for column in ("engine", "numba threads", "quiet ms/tok", "busy ms/tok", "slowdown"):
+            busy_table.add_column(column)
+        for r in busy_rows:
+            if r["busy"]:
+                quiet = next(q for q in busy_rows if not q["busy"] and q["engine"] == r["engine"]
+                             and q["threads"] == r["threads"])
+                busy_table.add_row(r["engine"], str(r["threads"]), f"{1e3 * quiet['decode']:.2f}",
+                                   f"{1e3 * r['decode']:.2f}", f"{r['decode'] / quiet['decode']:.2f}x")
+        con.print(busy_table)
+    con.print(f"llama.cpp (FIELD-NOTES, not this run): f32 {LLAMA_CPP_NOTES['f32'][0]:.0f}-"
+              f"{LLAMA_CPP_NOTES['f32'][1]:.0f} ms/token, f16 {LLAMA_CPP_NOTES['f16'][0]:.0f}-"
+              f"{LLAMA_CPP_NOTES['f16'][1]:.0f} ms/token at 128 context; no llama-cpp-python wheel here")
     OUT.mkdir(exist_ok=True)
-    result = {"threads": ARGS.threads, "bandwidth_bytes_per_s": bandwidth, "rows": rows,
+    report = {"cpu": cpu, "threads": ARGS.threads, "load_average": load, "bandwidth_bytes_per_s": bandwidth,
+              "compile_seconds": compiled, "rows": rows, "batches": batch_rows, "busy_neighbour": busy_rows,
+              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
               "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE")}
-    (OUT / "bench_hf_decode.json").write_text(json.dumps(result, indent=2))
+    (OUT / "bench_hf_decode.json").write_text(json.dumps(report, indent=2))
+    plot(rows, batch_rows, title)
+
+
+def plot(rows: list[dict], batch_rows: list[dict], title: str) -> None:
+    """bench/out/bench_hf_decode.png: decode ms/token per engine and context (roofline marked), and
+    batched throughput."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = sorted({r["context"] for r in rows})
+    names = list(dict.fromkeys(r["engine"] for r in rows))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        values = [next(r["decode"] for r in rows if r["engine"] == name and r["context"] == c) * 1e3
+                  for c in contexts]
+        left.bar([j + i * width for j in range(len(contexts))], values, width, label=name)
+    for j, c in enumerate(contexts):
+        for name, style in (("kvlab compiled f32", "k--"), ("kvlab compiled bf16", "k:")):
+            roof = next(r["roofline"] for r in rows if r["engine"] == name and r["context"] == c)
+            left.plot([j - width / 2, j + 0.8], [roof * 1e3] * 2, style,
+                      label=f"roofline ({name.split()[-1]} weights)" if j == 0 else None)
+    left.set_xticks([j + 0.4 - width / 2 for j in range(len(contexts))], [f"context {c}" for c in contexts])
+    left.set_ylabel("decode ms/token (lower is better)")
+    left.legend(fontsize=8)
+    for name in dict.fromkeys(r["engine"] for r in batch_rows):
+        pts = [(r["batch"], r["tokens_per_s"]) for r in batch_rows if r["engine"] == name]
+        right.plot(*zip(*pts), marker="o", label=name)
+    right.set_xlabel("batch size")
+    right.set_ylabel("decode tokens/s")
+    right.set_xscale("log", base=2)
+    right.legend(fontsize=8)
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(OUT / "bench_hf_decode.png", dpi=110)
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ def test_keys_are_stored_after_rope_and_values_unrotated(model):
     cache = model.forward(ids, use_cache=True).cache
     layer = model.layers[0]
     h = rms_norm(model.embed[ids], layer.input_norm, model.config.rms_norm_eps)
-    qkv = h @ layer.w_qkv
+    qkv = h @ layer.w_qkv.T
     k_raw = qkv[..., 32:48].reshape(1, 3, 2, 8).transpose(0, 2, 1, 3)
     v_raw = qkv[..., 48:].reshape(1, 3, 2, 8).transpose(0, 2, 1, 3)
     keys, values = cache[0]

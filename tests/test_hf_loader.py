@@ -137,12 +137,16 @@ def test_corrupt_safetensors_files_are_refused_by_name(tmp_path, case, match):
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
 def test_loaded_model_computes_what_its_weights_say(tmp_path, dtype):
     weights = write_folder(tmp_path / "m", dtype=dtype)
-    model, tokenizer = kvlab.load(tmp_path / "m")
+    model, tokenizer = kvlab.load(tmp_path / "m", weights_dtype="float32")
     direct = kvlab.LlamaModel(CONFIG, weights={k: v.astype(np.float32) for k, v in weights.items()})
     ids = np.array([tokenizer.encode(TEXT)[:20]])
     np.testing.assert_array_equal(model.forward(ids).logits, direct.forward(ids).logits)
     assert model.fingerprint == direct.fingerprint
     assert model.dtype == np.float32
+    # By default (weights_dtype="auto") half-precision matrices stay as stored; the math is still float32
+    kept, _ = kvlab.load(tmp_path / "m")
+    assert kept.weights_dtype == np.dtype(dtype) and kept.dtype == np.float32
+    assert np.abs(kept.forward(ids).logits - direct.forward(ids).logits).max() <= 1e-5
 
 
 def test_sharded_folder_loads_like_the_single_file(tmp_path):

@@ -1,8 +1,8 @@
 """Real checkpoints written by transformers itself, loaded by kvlab, matched against transformers.
 
 For every architecture and variant kvlab claims (Llama GQA / MQA, tied and untied embeddings, llama3 and
-linear RoPE scaling, Qwen2's q/k/v biases, Mistral with a window shorter than the prompt, a bfloat16 file,
-a sharded file) a tiny random model is saved with `save_pretrained`, loaded with `kvlab.load`, and checked:
+linear RoPE scaling, Qwen2's q/k/v biases, Mistral with a window shorter than the prompt, bfloat16 and
+float16 files kept half precision in memory, a sharded file) a tiny random model is saved with `save_pretrained`, loaded with `kvlab.load`, and checked:
 float32 logits within 1e-4 over a prompt (full forward, and prefill + cached decode) and at each of 40
 steps of transformers' `generate(do_sample=False)`, whose greedy tokens kvlab must reproduce exactly. Run with `-s` to see the measured errors.
 """
@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import kvlab
+import kvlab.kernels
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -115,9 +116,9 @@ def prompt_ids(tokenizer, length: int = 24) -> np.ndarray:
     return np.array([ids])
 
 
-def check_parity(folder: Path, name: str) -> dict[str, float]:
+def check_parity(folder: Path, name: str, backend: str | None = None) -> dict[str, float]:
     """Logits over the prompt (full, and prefill + one-token decode steps) and along a 40-token greedy run."""
-    model, tokenizer = kvlab.load(folder)
+    model, tokenizer = kvlab.load(folder, backend=backend)
     ref = reference(folder)
     ids = prompt_ids(tokenizer)
     with torch.no_grad():
@@ -171,13 +172,27 @@ def _hf_weights(folder: Path) -> dict[str, np.ndarray]:
     return dict(load_file(folder / "model.safetensors"))
 
 
-def test_bfloat16_checkpoint(tmp_path):
-    folder = make_checkpoint(tmp_path / "bf16", "LlamaForCausalLM", {}, dtype=torch.bfloat16)
+HALF_FILES = {"bfloat16-llama": ("LlamaForCausalLM", {}, "bfloat16"),
+              "bfloat16-qwen2-tied": ("Qwen2ForCausalLM", {"tie_word_embeddings": True}, "bfloat16"),
+              "float16-mistral-window": ("MistralForCausalLM", {"sliding_window": 8}, "float16")}
+
+
+@pytest.mark.parametrize("name", list(HALF_FILES))
+def test_half_precision_checkpoint_kept_as_stored(tmp_path, name):
+    """A bfloat16/float16 file stays half precision in memory (weights_dtype="auto") and its float32 math
+    matches transformers' float32 run of the same file to 1e-4, on each backend."""
+    architecture, changes, stored = HALF_FILES[name]
+    folder = make_checkpoint(tmp_path / name, architecture, changes, dtype=getattr(torch, stored))
     header = json.loads((folder / "config.json").read_text())
-    assert header.get("dtype", header.get("torch_dtype")) == "bfloat16"
+    assert header.get("dtype", header.get("torch_dtype")) == stored
     from kvlab.hf.safetensors import read_header
-    assert {t.dtype.name for t in read_header(folder / "model.safetensors").tensors.values()} == {"bfloat16"}
-    check_parity(folder, "llama-bf16-file")
+    assert {t.dtype.name for t in read_header(folder / "model.safetensors").tensors.values()} == {stored}
+    for backend in ("numba", "numpy") if kvlab.kernels.AVAILABLE else ("numpy",):
+        model, _ = kvlab.load(folder, backend=backend)
+        assert model.weights_dtype.name == stored and model.layers[0].w_qkv.dtype.name == stored
+        check_parity(folder, f"{name}-{backend}", backend=backend)
+    forced, _ = kvlab.load(folder, weights_dtype="float32")
+    assert forced.weights_dtype == np.float32
 
 
 def test_sharded_checkpoint(tmp_path):

@@ -37,6 +37,10 @@ class KVStore(Protocol):
     def read(self, layer: int, length: int) -> tuple[np.ndarray, np.ndarray]:
         """Views of the first `length` positions of `layer`: ([B, H_kv, length, d], same)."""
 
+    def storage(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The layer's whole K/V arrays [B, H_kv, capacity, d] in the cache dtype, for in-place kernels.
+        Optional: a store without it (quantized, paged) is read through `read`."""
+
     def copy(self, length: int) -> "KVStore":
         """An independent store holding the first `length` positions."""
 

@@ -53,6 +53,10 @@ class ContiguousStore:
     def read(self, layer: int, length: int) -> tuple[np.ndarray, np.ndarray]:
         return self._keys[layer][:, :, :length], self._values[layer][:, :, :length]
 
+    def storage(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The layer's whole preallocated arrays (C-contiguous, [B, H_kv, capacity, d]), for kernels."""
+        return self._keys[layer], self._values[layer]
+
     def copy(self, length: int) -> "ContiguousStore":
         batch, heads, dim = self.shape
         clone = ContiguousStore(len(self._keys), batch, heads, dim, self.dtype, max(length, MIN_CAPACITY))

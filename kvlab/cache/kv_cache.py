@@ -148,6 +148,28 @@ class KVCache:
     def update(self, layer: int, keys: np.ndarray, values: np.ndarray,
                positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Write layer `layer`'s new rows after the committed ones; return everything to attend to."""
+        end = self._write(layer, keys, values, positions)
+        all_keys, all_values = self.store.read(layer, end)
+        if all_keys.dtype != self.spec.compute_dtype:
+            all_keys = all_keys.astype(self.spec.compute_dtype)
+            all_values = all_values.astype(self.spec.compute_dtype)
+        return all_keys, all_values, self._positions[:end]
+
+    @property
+    def in_place(self) -> bool:
+        """True when kernels may read rows where they lie (`append`): a plain float store. Quantized and
+        paged stores return decoded or gathered copies, so they are read through `update`."""
+        return hasattr(self.store, "storage")
+
+    def append(self, layer: int, keys: np.ndarray, values: np.ndarray,
+               positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`update` for kernels that read the cache where it lies: write the new rows and return the layer's
+        storage arrays [B, H_kv, capacity, d] in the cache dtype (rows before num_cached_tokens + new are
+        valid), with no upcast of a float16/bfloat16 cache."""
+        self._write(layer, keys, values, positions)
+        return self.store.storage(layer)
+
+    def _write(self, layer: int, keys: np.ndarray, values: np.ndarray, positions: np.ndarray) -> int:
         start, num_new = self._length, keys.shape[2]
         end = start + num_new
         if layer == 0:
@@ -158,11 +180,7 @@ class KVCache:
                 self._positions = grown
             self._positions[start:end] = positions
         self.store.write(layer, start, keys, values)
-        all_keys, all_values = self.store.read(layer, end)
-        if all_keys.dtype != self.spec.compute_dtype:
-            all_keys = all_keys.astype(self.spec.compute_dtype)
-            all_values = all_values.astype(self.spec.compute_dtype)
-        return all_keys, all_values, self._positions[:end]
+        return end
 
     def commit(self, num_new: int) -> None:
         self._length += int(num_new)

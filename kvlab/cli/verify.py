@@ -28,6 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="negative control: a non-causal model, for which the check must fail")
     p.add_argument("--dtype", choices=["float64", "float32"], default="float64",
                    help="compute dtype (default float64)")
+    p.add_argument("--backend", choices=["auto", "numba", "numpy"], default="auto",
+                   help="compiled kernels (numba, the default where available) or the NumPy reference")
     p.add_argument("--json", action="store_true", help="print results as JSON")
     p.set_defaults(run=run)
 
@@ -41,11 +43,13 @@ def run(args: argparse.Namespace) -> int:
 
         if args.bidirectional:
             raise InputError("--bidirectional is the tiny model's negative control; drop --model")
-        model = load_model(None if args.model == "default" else args.model, dtype=args.dtype)
+        model = load_model(None if args.model == "default" else args.model, dtype=args.dtype,
+                           backend=args.backend)
         label = f"{args.model} {args.dtype}"
     else:
-        model = TinyLlama(seed=seed, dtype=args.dtype, causal=not args.bidirectional)
+        model = TinyLlama(seed=seed, dtype=args.dtype, causal=not args.bidirectional, backend=args.backend)
         label = f"TinyLlama(seed={seed}{', causal=False' if args.bidirectional else ''}) {args.dtype}"
+    label += f", {model.backend} backend"
     tolerance = tolerance or default_tolerance(model)
     results = verify_model(model, tolerance=tolerance, length=length)
     passed = all(r.passed for r in results)

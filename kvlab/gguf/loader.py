@@ -78,9 +78,10 @@ def read_checkpoint(path: str | Path, dtype: Any = "float32", progress: bool | N
     return GGUFCheckpoint(gguf.path, config, weights, tokenizer)
 
 
-def load_gguf(path: str | Path, dtype: Any = "float32", progress: bool | None = None
-              ) -> tuple[LlamaModel, HFTokenizer]:
+def load_gguf(path: str | Path, dtype: Any = "float32", progress: bool | None = None,
+              backend: str | None = None) -> tuple[LlamaModel, HFTokenizer]:
     """(model, tokenizer) of a GGUF file, computing in float32 (or float64)."""
     checkpoint = read_checkpoint(path, dtype, progress)
-    model = LlamaModel(checkpoint.config, weights=checkpoint.weights, dtype=dtype, source=str(checkpoint.path))
+    model = LlamaModel(checkpoint.config, weights=checkpoint.weights, dtype=dtype, source=str(checkpoint.path),
+                       backend=backend)
     return model, checkpoint.tokenizer

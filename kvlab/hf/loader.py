@@ -20,7 +20,7 @@ from kvlab.errors import CheckpointError, ConfigError
 from kvlab.hf.chat_template import ChatTemplate
 from kvlab.hf.safetensors import SafetensorsHeader, open_tensors, read_header
 from kvlab.model.llama import LlamaModel
-from kvlab.model.weights import IGNORED_SUFFIXES, expected_shapes, optional_shapes
+from kvlab.model.weights import HALF_DTYPES, IGNORED_SUFFIXES, expected_shapes, optional_shapes
 from kvlab.tokenizer import HFTokenizer
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "shakespeare"
@@ -118,9 +118,10 @@ def check_headers(config: ModelConfig, headers: list[SafetensorsHeader], source:
         raise CheckpointError(f"{source}: missing tensor {missing[0]!r}{more}")
 
 
-def read_weights(headers: list[SafetensorsHeader], dtype: np.dtype, progress: bool | None = None
-                 ) -> dict[str, np.ndarray]:
-    """Every used tensor, copied out of its memory map into `dtype` (the model keeps its own arrays)."""
+def read_weights(headers: list[SafetensorsHeader], dtype: np.dtype, progress: bool | None = None,
+                 keep_half: bool = False) -> dict[str, np.ndarray]:
+    """Every used tensor, copied out of its memory map into `dtype` (the model keeps its own arrays);
+    with `keep_half`, float16/bfloat16 matrices stay as stored (weights_dtype="auto")."""
     total = sum(t.nbytes for h in headers for t in h.tensors.values())
     show = total >= PROGRESS_MIN_BYTES if progress is None else progress
     tensors: list[tuple[str, np.ndarray]] = []
@@ -128,9 +129,14 @@ def read_weights(headers: list[SafetensorsHeader], dtype: np.dtype, progress: bo
         tensors += [(name, array) for name, array in open_tensors(header).items()
                     if not name.endswith(IGNORED_SUFFIXES)]
     weights: dict[str, np.ndarray] = {}
+
+    def target(array: np.ndarray) -> np.dtype:
+        half = array.ndim == 2 and array.dtype.name in HALF_DTYPES
+        return array.dtype if keep_half and half else dtype
+
     if not show:
         for name, array in tensors:
-            weights[name] = np.array(array, dtype=dtype)
+            weights[name] = np.array(array, dtype=target(array))
         return weights
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
@@ -138,25 +144,33 @@ def read_weights(headers: list[SafetensorsHeader], dtype: np.dtype, progress: bo
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("load", total=total)
         for name, array in tensors:
-            weights[name] = np.array(array, dtype=dtype)
+            weights[name] = np.array(array, dtype=target(array))
             bar.advance(task, array.nbytes)
     return weights
 
 
-def load_model(path: str | Path | None = None, dtype: Any = "float32", progress: bool | None = None
-               ) -> LlamaModel:
-    """The model of an HF folder or a GGUF file (None: the default model), computing in float32 (or float64)."""
+def load_model(path: str | Path | None = None, dtype: Any = "float32", progress: bool | None = None,
+               weights_dtype: str = "auto", backend: str | None = None) -> LlamaModel:
+    """The model of an HF folder or a GGUF file (None: the default model), computing in float32 (or float64).
+
+    weights_dtype "auto" keeps a float16/bfloat16 checkpoint's matrices as stored (half the bytes a decode
+    step reads; the math stays float32); "float32" casts them. backend: None/"auto", "numba" or "numpy".
+    GGUF files are dequantized into the compute dtype.
+    """
     from kvlab.gguf.loader import gguf_file, load_gguf
 
     if gguf_file(path) is not None:
-        return load_gguf(path, dtype, progress)[0]
+        return load_gguf(path, dtype, progress, backend=backend)[0]
     folder = resolve_model_dir(path)
     dtype = validate.compute_dtype(dtype, error=ConfigError)
     config = load_config(folder)
     headers, _, source = weight_headers(folder)
     check_headers(config, headers, source)
-    weights = read_weights(headers, dtype, progress)
-    return LlamaModel(config, weights=weights, dtype=dtype, source=source)
+    if weights_dtype not in ("auto", "float32", "float64", "float16", "bfloat16"):
+        raise ConfigError(f"weights_dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got {weights_dtype!r}")
+    weights = read_weights(headers, dtype, progress, keep_half=weights_dtype != dtype.name)
+    return LlamaModel(config, weights=weights, dtype=dtype, source=source,
+                      weights_dtype=None if weights_dtype == dtype.name else weights_dtype, backend=backend)
 
 
 # --- tokenizer --------------------------------------------------------------------------------------------
@@ -244,8 +258,8 @@ def load_tokenizer(path: str | Path | None = None, config: ModelConfig | None = 
                        chat_template=chat, pad_token_id=token_id("pad_token"))
 
 
-def load(path: str | Path | None = None, dtype: Any = "float32", progress: bool | None = None
-         ) -> tuple[LlamaModel, HFTokenizer]:
+def load(path: str | Path | None = None, dtype: Any = "float32", progress: bool | None = None,
+         weights_dtype: str = "auto", backend: str | None = None) -> tuple[LlamaModel, HFTokenizer]:
     """`model, tokenizer = kvlab.load(path)`; without a path, the default model shipped with kvlab.
 
     `path` is an HF folder, a .gguf file or a folder holding one. The tokenizer is read first (it is
@@ -254,8 +268,8 @@ def load(path: str | Path | None = None, dtype: Any = "float32", progress: bool 
     from kvlab.gguf.loader import gguf_file, load_gguf
 
     if gguf_file(path) is not None:
-        return load_gguf(path, dtype, progress)
+        return load_gguf(path, dtype, progress, backend=backend)
     folder = resolve_model_dir(path)
     config = load_config(folder)
     tokenizer = load_tokenizer(folder, config)
-    return load_model(folder, dtype, progress), tokenizer
+    return load_model(folder, dtype, progress, weights_dtype, backend), tokenizer

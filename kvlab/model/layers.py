@@ -288,6 +288,15 @@ def _attend_block(q5: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
     return out
 
 
+def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x @ w.T for a weight matrix w [out, in] (HF's Linear layout), computed in x's dtype.
+
+    A float16/bfloat16 matrix is widened first: the math stays in float32 whatever the weights are
+    stored in (the compiled twin, kernels/gemv.py, widens element by element in registers instead).
+    """
+    return x @ w.astype(x.dtype, copy=False).T
+
+
 def silu(x: np.ndarray) -> np.ndarray:
     """x * sigmoid(x), as x / (1 + exp(-x)); exp overflow for very negative x correctly gives 0."""
     with np.errstate(over="ignore"):

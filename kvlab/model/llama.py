@@ -6,6 +6,12 @@ another), laid out for the fastest matrix-vector product (see _Layer) and packed
 order a step reads them. A one-token step (decode) takes `_decode_blocks`, the same math as `_blocks`
 in fewer NumPy calls, because at batch 1 everything between the weight reads is call overhead;
 `model.fast_decode = False` switches it off for comparison (tests/test_hf_fast_decode.py).
+
+Two backends, one model: `backend="numpy"` is the reference (the math as on the page, NumPy only);
+`"numba"` (the default where numba imports) runs the projections, norms and decode attention as compiled
+kernels (kvlab/kernels/) that read bfloat16/float16 weights and caches in place and compute in float32.
+Weight matrices keep their checkpoint precision when `weights_dtype="auto"`: a bfloat16 file streams half
+the bytes per step, and its logits still equal a float32 run of the same weights.
 """
 
 from __future__ import annotations
@@ -16,14 +22,15 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from kvlab import validate
 from kvlab.cache.base import CacheSpec
 from kvlab.cache.contiguous import MIN_CAPACITY
 from kvlab.cache.kv_cache import KVCache
 from kvlab.config import ModelConfig, tiny_config
-from kvlab import validate
 from kvlab.errors import ContextLengthError, InputError
-from kvlab.model.layers import attend, attention_mask, rms_norm, rope_inv_freq, rotate_halves, swiglu
-from kvlab.model.weights import check_weights, fingerprint, random_weights
+from kvlab.kernels import resolve_backend
+from kvlab.model.layers import attend, attention_mask, linear, rms_norm, rope_inv_freq, rotate_halves, swiglu
+from kvlab.model.weights import check_weights, fingerprint, random_weights, resolve_weights_dtype
 
 
 @dataclass
@@ -36,17 +43,18 @@ class ForwardOutput:
 
 @dataclass
 class _Layer:
+    """One block's weights. Matrices are [out, in] (HF's layout, used as `x @ w.T`) in the storage dtype
+    (float32, or bfloat16/float16 as the checkpoint has them): each output is a dot product over one
+    contiguous row, the layout the compiled gemv streams fastest. Norms and biases are in the compute dtype."""
+
     input_norm: np.ndarray
-    w_qkv: np.ndarray          # [hidden, (H_q + 2 H_kv) d]
+    w_qkv: np.ndarray          # [(H_q + 2 H_kv) d, hidden]
     b_qkv: np.ndarray | None
-    w_o: np.ndarray            # [H_q d, hidden]
+    w_o: np.ndarray            # [hidden, H_q d]
     b_o: np.ndarray | None
     post_norm: np.ndarray
-    w_gate_up: np.ndarray      # [hidden, 2 intermediate]
-    # [hidden, intermediate]: HF's [out, in] layout, used as `x @ w_down.T`. For this one projection
-    # (in > out) OpenBLAS's dot-product gemv kernel beats the axpy kernel the [in, out] layout gets,
-    # by ~20% on a decode step's cold weights; the other projections are faster as [in, out].
-    w_down: np.ndarray
+    w_gate_up: np.ndarray      # [2 intermediate, hidden]
+    w_down: np.ndarray         # [hidden, intermediate]
 
 
 def validate_ids(ids: Any, vocab_size: int) -> np.ndarray:
@@ -73,28 +81,38 @@ class LlamaModel:
     """A Llama / Mistral / Qwen2 decoder in NumPy. `forward(ids, cache=..., use_cache=...)`."""
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray] | None = None,
-                 dtype: object = np.float32, seed: int = 0, source: str = "weights") -> None:
+                 dtype: object = np.float32, seed: int = 0, source: str = "weights",
+                 weights_dtype: object = None, backend: str | None = None) -> None:
+        """`weights_dtype`: None (cast to `dtype`), "auto" (keep a half-precision checkpoint as stored),
+        or "float16"/"bfloat16"; `backend`: None/"auto" (compiled where available), "numba" or "numpy"."""
         self.config = config
         if not isinstance(config, ModelConfig):
             raise InputError(f"config must be a ModelConfig, got {type(config).__name__}")
         self.dtype = validate.compute_dtype(dtype)
+        self.backend = resolve_backend(backend)
+        self.weights_dtype_request = weights_dtype
         self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, self.dtype)
         self._cos = self._sin = np.zeros((0, config.head_dim), dtype=self.dtype)
         self.fast_decode = True  # one-token steps take _decode_blocks (False: the general path, to compare)
         self.set_weights(weights if weights is not None else random_weights(config, seed, self.dtype), source)
+        if self.backend == "numba":
+            from kvlab.kernels import attention, gemv
+            self._gemv, self._attention = gemv, attention
 
     # --- weights -----------------------------------------------------------------------------------------
     def set_weights(self, weights: Mapping[str, np.ndarray], source: str = "weights") -> None:
         """Check, cast, fingerprint and fuse a state dict with HF names. Caches made before are refused."""
         check_weights(self.config, weights, source)
-        cast = {name: np.ascontiguousarray(array, dtype=self.dtype) for name, array in weights.items()
-                if not name.endswith("inv_freq")}
+        used = {name: array for name, array in weights.items() if not name.endswith("inv_freq")}
         if self.config.tie_word_embeddings:
-            cast.pop("lm_head.weight", None)
+            used.pop("lm_head.weight", None)
+        self.weights_dtype = resolve_weights_dtype(self.weights_dtype_request, self.dtype, used, source)
+        cast = {name: np.ascontiguousarray(array, dtype=self.weights_dtype if array.ndim == 2 else self.dtype)
+                for name, array in used.items()}
         self._fingerprint = fingerprint(self.config, self.dtype, cast)
         self.embed = cast["model.embed_tokens.weight"]
         self.norm = cast["model.norm.weight"]
-        self.lm_head = (self.embed if self.config.tie_word_embeddings else cast["lm_head.weight"]).T
+        self.lm_head = self.embed if self.config.tie_word_embeddings else cast["lm_head.weight"]  # [vocab, hidden]
         self.layers = self._fuse_layers(cast)
 
     def _fuse_layers(self, cast: Mapping[str, np.ndarray]) -> list[_Layer]:
@@ -107,10 +125,10 @@ class LlamaModel:
         c = self.config
         h, q_out = c.hidden_size, c.num_attention_heads * c.head_dim
         qkv_out = q_out + 2 * c.num_key_value_heads * c.head_dim
-        shapes = {"w_qkv": (h, qkv_out), "w_o": (q_out, h), "w_gate_up": (h, 2 * c.intermediate_size),
+        shapes = {"w_qkv": (qkv_out, h), "w_o": (h, q_out), "w_gate_up": (2 * c.intermediate_size, h),
                   "w_down": (h, c.intermediate_size)}
         per_layer = sum(a * b for a, b in shapes.values())
-        buffer = np.empty(per_layer * c.num_hidden_layers, dtype=self.dtype)
+        buffer = np.empty(per_layer * c.num_hidden_layers, dtype=self.weights_dtype)
         offset = 0
 
         def take(name: str) -> np.ndarray:
@@ -125,14 +143,14 @@ class LlamaModel:
             p = f"model.layers.{i}."
             attn, mlp = p + "self_attn.", p + "mlp."
             w_qkv, w_o, w_gate_up, w_down = take("w_qkv"), take("w_o"), take("w_gate_up"), take("w_down")
-            column = 0
-            for x in "qkv":  # [out, in] checkpoint matrices side by side as [in, out] columns
+            row = 0
+            for x in "qkv":  # [out, in] checkpoint matrices stacked: one product gives q, k and v
                 part = cast[f"{attn}{x}_proj.weight"]
-                w_qkv[:, column:column + part.shape[0]] = part.T
-                column += part.shape[0]
-            w_o[...] = cast[attn + "o_proj.weight"].T
-            w_gate_up[:, :c.intermediate_size] = cast[mlp + "gate_proj.weight"].T
-            w_gate_up[:, c.intermediate_size:] = cast[mlp + "up_proj.weight"].T
+                w_qkv[row:row + part.shape[0]] = part
+                row += part.shape[0]
+            w_o[...] = cast[attn + "o_proj.weight"]
+            w_gate_up[:c.intermediate_size] = cast[mlp + "gate_proj.weight"]
+            w_gate_up[c.intermediate_size:] = cast[mlp + "up_proj.weight"]
             w_down[...] = cast[mlp + "down_proj.weight"]
             has_bias = cast.get(attn + "q_proj.bias") is not None
             layers.append(_Layer(
@@ -198,7 +216,7 @@ class LlamaModel:
         cos, sin = self._rope_tables(end)
         cos, sin = cos[start:end, None], sin[start:end, None]  # [T, 1, d]: broadcast over heads
 
-        x = self.embed[ids]  # a fresh [B, T, hidden] array: the residual stream, updated in place
+        x = self.embed_tokens(ids)  # a fresh [B, T, hidden] array: the residual stream, updated in place
         with np.errstate(over="ignore"):  # swiglu's exp(-gate) may overflow to inf: correct, and silent
             observed = getattr(cache, "observer", None) is not None  # it needs q: the general path has it
             first_key = self._decode_key_start(start, cache) \
@@ -209,7 +227,7 @@ class LlamaModel:
                 self._decode_blocks(x, positions, cos, sin, cache, first_key)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        logits = rms_norm(x, self.norm, config.rms_norm_eps) @ self.lm_head
+        logits = self.final_logits(x)
         if cache is not None:
             cache.commit(num_new)
         return ForwardOutput(logits=logits, cache=cache)
@@ -281,6 +299,16 @@ class LlamaModel:
             rotated += qk[:, :, ::-1] * sin  # rotate_halves: [x1, x2] -> [x1 c - x2 s, x2 c + x1 s]
             k = rotated[:, heads:].reshape(batch, kv_heads, 1, head_dim)
             v = qkv[:, qk_heads:].reshape(batch, kv_heads, 1, head_dim)
+            if self.backend == "numba" and (cache is None or cache.in_place):
+                # the compiled kernel reads the cache where it lies, any float dtype
+                end = 1
+                if cache is not None:
+                    k, v = cache.append(index, k, v, positions)
+                    end = cache.get_seq_length() + 1
+                q = rotated[:, :heads].reshape(batch, heads, head_dim)
+                attn = self._attention.decode_attention(q, k, v, first_key, end, scale)
+                self._finish_block(x, layer, attn.reshape(batch, heads * head_dim))
+                continue
             if cache is not None:
                 k, v, _ = cache.update(index, k, v, positions)
                 if first_key:
@@ -295,22 +323,37 @@ class LlamaModel:
             attn /= np.add.reduce(weights, axis=-1, keepdims=True)
             self._finish_block(x, layer, attn.reshape(batch, heads * head_dim))
 
+    # --- the products: NumPy reference or compiled kernels -----------------------------------------------
+    def _linear(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+        """x @ w.T (+ bias) for a weight matrix w [out, in] in its storage dtype."""
+        if self.backend == "numba":
+            return self._gemv.linear(x, w, bias)
+        out = linear(x, w)
+        if bias is not None:
+            out += bias
+        return out
+
+    def _norm_linear(self, x: np.ndarray, norm: np.ndarray, w: np.ndarray,
+                     bias: np.ndarray | None = None) -> np.ndarray:
+        """rms_norm(x) @ w.T (+ bias): how every block opens its attention and its MLP, and the LM head."""
+        eps = self.config.rms_norm_eps
+        if self.backend == "numba":
+            return self._gemv.norm_linear(x, norm, eps, w, bias)
+        return self._linear(rms_norm(x, norm, eps), w, bias)
+
     def _qkv(self, x: np.ndarray, layer: _Layer) -> np.ndarray:
         """The fused q/k/v projection of the normalised residual stream (one matmul)."""
-        qkv = rms_norm(x, layer.input_norm, self.config.rms_norm_eps) @ layer.w_qkv
-        if layer.b_qkv is not None:
-            qkv += layer.b_qkv
-        return qkv
+        return self._norm_linear(x, layer.input_norm, layer.w_qkv, layer.b_qkv)
 
     def _finish_block(self, x: np.ndarray, layer: _Layer, attn: np.ndarray) -> None:
         """Output projection of the merged heads `attn` [..., H_q d], then the SwiGLU MLP; x updated in place."""
-        out = attn @ layer.w_o
-        if layer.b_o is not None:
-            out += layer.b_o
-        x += out
-        gate_up = rms_norm(x, layer.post_norm, self.config.rms_norm_eps) @ layer.w_gate_up
+        x += self._linear(attn, layer.w_o, layer.b_o)
+        gate_up = self._norm_linear(x, layer.post_norm, layer.w_gate_up)
+        if self.backend == "numba":
+            x += self._gemv.swiglu_linear(gate_up, layer.w_down)
+            return
         inter = gate_up.shape[-1] // 2
-        x += swiglu(gate_up[..., :inter], gate_up[..., inter:]) @ layer.w_down.T
+        x += self._linear(swiglu(gate_up[..., :inter], gate_up[..., inter:]), layer.w_down)
 
     __call__ = forward
 
@@ -321,7 +364,7 @@ class LlamaModel:
 
     def final_logits(self, x: np.ndarray) -> np.ndarray:
         """Final RMSNorm and LM head over hidden states x [..., hidden]."""
-        return rms_norm(x, self.norm, self.config.rms_norm_eps) @ self.lm_head
+        return self._norm_linear(x, self.norm, self.lm_head)
 
 
 class TinyLlama(LlamaModel):
@@ -331,5 +374,6 @@ class TinyLlama(LlamaModel):
     for the verifier's negative control, `num_key_value_heads=1` for MQA).
     """
 
-    def __init__(self, seed: int = 0, dtype: object = np.float64, **config_changes: Any) -> None:
-        super().__init__(tiny_config(**config_changes), dtype=dtype, seed=seed)
+    def __init__(self, seed: int = 0, dtype: object = np.float64, backend: str | None = None,
+                 **config_changes: Any) -> None:
+        super().__init__(tiny_config(**config_changes), dtype=dtype, seed=seed, backend=backend)

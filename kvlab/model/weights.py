@@ -10,6 +10,7 @@ import hashlib
 import json
 from typing import Mapping
 
+import ml_dtypes
 import numpy as np
 
 from kvlab import validate
@@ -123,6 +124,41 @@ def random_weights(config: ModelConfig, seed: int = 0, dtype: object = np.float6
     return weights
 
 
+HALF_DTYPES = ("float16", "bfloat16")
+
+
+def resolve_weights_dtype(request: object, compute_dtype: np.dtype, weights: Mapping[str, np.ndarray],
+                          source: str = "weights") -> np.dtype:
+    """The dtype weight matrices are stored in: the compute dtype (request None or the compute dtype's
+    name), the checkpoint's own half precision ("auto": when every matrix is float16, or every one is
+    bfloat16; else the compute dtype), or a named half precision ("float16", "bfloat16"; rounds).
+
+    Why keep half precision: a decode step streams every weight once, so bfloat16 halves the bytes, and
+    the kernels widen in registers, so the math (and the logits) stay those of float32 over the same values.
+    """
+    compute_dtype = np.dtype(compute_dtype)
+    name = None if request is None else str(getattr(request, "__name__", request)).lower()
+    name = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}.get(name, name)
+    if name is None or name == compute_dtype.name:
+        return compute_dtype
+    if name == "auto":
+        stored = {np.dtype(a.dtype).name for a in weights.values() if np.ndim(a) == 2}
+        if len(stored) != 1 or next(iter(stored)) not in HALF_DTYPES or compute_dtype != np.float32:
+            return compute_dtype
+        name = stored.pop()
+    if name not in HALF_DTYPES:
+        raise CheckpointError(f"{source}: weights_dtype must be 'auto', {compute_dtype.name!r}, 'float16' or "
+                              f"'bfloat16', got {request!r}")
+    if compute_dtype != np.float32:
+        raise CheckpointError(f"{source}: {name} weights need float32 compute, not {compute_dtype.name}")
+    dtype = np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(np.float16)
+    if dtype == np.float16:  # the kernels widen float16 bits exactly for finite values only
+        for tensor, array in weights.items():
+            if np.ndim(array) == 2 and not np.isfinite(np.asarray(array).astype(dtype)).all():
+                raise CheckpointError(f"{source}: tensor {tensor!r} has inf or nan values")
+    return dtype
+
+
 def fingerprint(config: ModelConfig, dtype: np.dtype, weights: Mapping[str, np.ndarray]) -> str:
     """SHA-256 over the canonical config JSON, the compute dtype, and every tensor's name, shape and bytes.
 
@@ -134,5 +170,5 @@ def fingerprint(config: ModelConfig, dtype: np.dtype, weights: Mapping[str, np.n
     for name in sorted(weights):
         array = np.ascontiguousarray(weights[name])
         digest.update(f"{name}|{array.dtype.name}|{array.shape}".encode())
-        digest.update(memoryview(array).cast("B"))
+        digest.update(array.reshape(-1).view(np.uint8))  # bytes of any dtype (bfloat16 has no buffer format)
     return digest.hexdigest()
