@@ -4,7 +4,8 @@ All scheduled tokens of all sequences are flattened into one [N] batch (ragged: 
 own number of tokens, at its own positions, which start at its num_computed_tokens). Embedding, the q/k/v
 projection, RoPE, the output projection and the MLP run over the whole flat batch as single matmuls; only
 attention is per sequence, against the sequence's own blocks. One-token sequences (decodes) share one
-padded attention call. New K/V are written into the pool through the slot mapping before attention reads.
+padded attention call (on the compiled backend, a kernel that reads the blocks in place; NumPy gathers them).
+New K/V are written into the pool through the slot mapping before attention reads.
 The math is the model's own (`embed_tokens`, `_qkv`, `_finish_block`, `final_logits`, its RoPE tables,
 `attend`), not a copy of it.
 """
@@ -61,6 +62,11 @@ def forward_batch(model: LlamaModel, batch: BatchInput, key_cache: list[np.ndarr
         decode_tables = _padded([batch.block_tables[i] for i in decodes])
         decode_positions = positions[decode_rows][:, None]
         decode_lens = np.array([batch.context_lens[i] for i in decodes], dtype=np.int64)
+        # a decode sees keys from its window's start (W keys, itself included) to itself
+        window = config.sliding_window
+        decode_starts = np.maximum(decode_positions[:, 0] - window + 1, 0) if window else None
+    # compiled decode attention reads a float pool in place; quantized blocks go through the NumPy gather
+    in_place = model.backend == "numba" and isinstance(key_cache[0], np.ndarray)
     seq_tables = {i: np.array([batch.block_tables[i]], dtype=np.int64) for i in others}
 
     x = model.embed_tokens(np.asarray(batch.token_ids, dtype=np.int64))  # [N, hidden], the residual stream
@@ -72,7 +78,11 @@ def forward_batch(model: LlamaModel, batch: BatchInput, key_cache: list[np.ndarr
             write_slots(key_cache[index], value_cache[index], batch.slot_mapping, qk[:, heads:],
                         qkv[:, qk_heads:])
             attn = np.empty((num_tokens, heads, head_dim), dtype=x.dtype)
-            if decodes:
+            if decodes and in_place:  # the compiled twin reads the blocks where they lie
+                attn[decode_rows] = model._attention.paged_decode_attention(
+                    q[decode_rows], key_cache[index], value_cache[index], decode_tables, decode_lens,
+                    decode_starts)
+            elif decodes:
                 out = paged_attention(q[decode_rows][:, :, None], key_cache[index], value_cache[index],
                                       decode_tables, decode_positions, decode_lens, causal=config.causal,
                                       sliding_window=config.sliding_window)
