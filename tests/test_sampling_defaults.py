@@ -34,7 +34,8 @@ def test_the_recommendation_applies_and_the_rest_is_neutral_as_in_vllm():
 
 
 @given(flags=st.fixed_dictionaries({
-    "temperature": st.none() | st.floats(0, 2), "top_k": st.none() | st.integers(-1, 100),
+    # temperatures in (0, 1e-5) are refused by SamplingParams (logits / temperature overflows)
+    "temperature": st.none() | st.just(0.0) | st.floats(1e-5, 2), "top_k": st.none() | st.integers(-1, 100),
     "top_p": st.none() | st.floats(0.01, 1), "min_p": st.none() | st.floats(0, 1)}),
     recommended=st.dictionaries(st.sampled_from(["temperature", "top_k", "top_p", "min_p"]),
                                 st.just(0.5), max_size=4))
