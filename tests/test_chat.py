@@ -169,8 +169,6 @@ def test_piped_chat_with_a_model_folder(tmp_path: Path, template: str | None) ->
     """--model PATH with a BPE tokenizer: plain continuation, or the folder's chat template."""
     import kvlab
 
-    if not hasattr(kvlab, "load"):
-        pytest.skip("kvlab.load is not in this kvlab yet")
     make_model_folder(tmp_path / "m", template)
     command = [sys.executable, "-m", "kvlab.cli", "chat", "--model", str(tmp_path / "m"), "-n", "5",
                "--temperature", "0"]
