@@ -69,7 +69,7 @@ def test_per_row_positions_in_the_blocked_path() -> None:
     assert np.abs(got - attention_reference(q, k, v, qpos, kpos, 90)).max() <= TOL64
 
 
-@settings(max_examples=20)
+@settings(max_examples=min(20, settings.default.max_examples))
 @given(batch=st.integers(1, 2), kv_heads=st.integers(1, 2), group=st.integers(1, 3),
        head_dim=st.sampled_from([2, 4, 8, 16, 32, 64, 128]), new=st.integers(1, 3 * QUERY_BLOCK + 20),
        past=st.integers(0, 150), window=st.one_of(st.none(), st.integers(1, 300)), causal=st.booleans(),
