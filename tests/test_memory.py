@@ -1,0 +1,63 @@
+"""K/V memory accounting: the formula 2 * L * B * H_kv * T * d * b, worked by hand, and the live report."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvlab import ModelConfig, TinyLlama
+from kvlab.cache.memory import canonical_dtype, kv_bytes_per_token, kv_payload_bytes, tokens_in_budget
+
+# 3 layers x 5 KV heads x head_dim 6: per token 2 * 3 * 5 * 6 = 180 scalars
+CONFIG = ModelConfig(vocab_size=50, hidden_size=16, intermediate_size=8, num_hidden_layers=3,
+                     num_attention_heads=10, num_key_value_heads=5, head_dim=6)
+
+
+@pytest.mark.parametrize("name,bytes_per_token", [
+    ("float64", 1440), ("fp64", 1440), ("FLOAT32", 720), ("fp32", 720), ("float16", 360), ("half", 360),
+    ("fp16", 360), ("bf16", 360), ("bfloat16", 360), ("fp8", 180), ("float8", 180), ("fp8_e4m3", 180),
+    ("fp8_e5m2", 180), ("int8", 180), ("int4", 90),
+])
+def test_bytes_per_token_for_every_dtype_name(name: str, bytes_per_token: int) -> None:
+    assert kv_bytes_per_token(CONFIG, name) == bytes_per_token
+
+
+def test_defaults_are_float64_and_batch_one() -> None:
+    assert kv_bytes_per_token(CONFIG) == 1440
+    assert kv_payload_bytes(CONFIG, 7) == 1440 * 7
+    assert kv_payload_bytes(CONFIG, 7, 3) == 1440 * 21
+    assert kv_payload_bytes(CONFIG, 7, 3, "fp16") == 360 * 21
+    assert tokens_in_budget(CONFIG, 1440 * 10 + 1439) == 10
+    assert tokens_in_budget(CONFIG, 1440 * 10, 2) == 5
+    assert tokens_in_budget(CONFIG, 360 * 9, 3, "float16") == 3
+    assert type(tokens_in_budget(CONFIG, 10**6)) is int
+
+
+def test_unknown_dtype_names_the_choices() -> None:
+    assert canonical_dtype("BF16") == "bfloat16"
+    with pytest.raises(ValueError, match=r"unknown cache dtype 'float7'; choose from float64, float32, "):
+        canonical_dtype("float7")
+
+
+def test_live_report_of_a_grown_and_cropped_cache() -> None:
+    model = TinyLlama(seed=7)  # 512 B per token in float64: 2 layers x 2 KV heads x 8 x 8 B x 2
+    cache = model.forward(np.arange(20)[None], use_cache=True).cache
+    cache.crop(13)
+    report = cache.memory_report()
+    assert (report.num_layers, report.batch_size, report.num_tokens, report.dtype) == (2, 1, 13, "float64")
+    assert report.payload_bytes == 13 * 512 == kv_payload_bytes(model.config, 13)
+    assert report.capacity_tokens == cache.store.capacity_tokens >= 20
+    assert report.capacity_bytes == report.capacity_tokens * 512
+    assert report.metadata_bytes == cache._positions.nbytes == 8 * cache._positions.shape[0]
+    assert report.total_bytes == report.capacity_bytes + report.metadata_bytes
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data == {"num_layers": 2, "batch_size": 1, "num_tokens": 13, "capacity_tokens":
+                    report.capacity_tokens, "dtype": "float64", "payload_bytes": 6656,
+                    "capacity_bytes": report.capacity_bytes, "metadata_bytes": report.metadata_bytes,
+                    "total_bytes": report.total_bytes}
+    half = model.new_cache(batch_size=2, kv_dtype="bf16")
+    model.forward(np.arange(10).reshape(2, 5), cache=half)
+    report = half.memory_report()
+    assert (report.dtype, report.batch_size, report.payload_bytes) == ("bfloat16", 2, 2 * 5 * 256)
