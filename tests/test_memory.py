@@ -60,4 +60,4 @@ def test_live_report_of_a_grown_and_cropped_cache() -> None:
     half = model.new_cache(batch_size=2, kv_dtype="bf16")
     model.forward(np.arange(10).reshape(2, 5), cache=half)
     report = half.memory_report()
-    assert (report.dtype, report.batch_size, report.payload_bytes) == ("bfloat16", 2, 2 * 5 * 256)
+    assert (report.dtype, report.batch_size, report.payload_bytes) == ("bfloat16", 2, 2 * 5 * 128)
