@@ -85,3 +85,60 @@ def test_grouping_rejects_incompatible_heads():
     with pytest.raises(ValueError, match="cannot be grouped"):
         grouped_attention(np.ones((1, 3, 1, 4)), np.ones((1, 2, 1, 4)), np.ones((1, 2, 1, 4)),
                           query_positions=[0], key_positions=[0])
+
+
+def test_softmax_matches_the_textbook_formula_with_and_without_a_mask():
+    from kvlab.model.layers import softmax, softmax_
+    scores = np.array([[1.0, 2.0, 3.0, -1.0], [0.5, 0.5, -2.0, 4.0], [3.0, 1.0, 0.0, 2.0]])
+    e = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    np.testing.assert_allclose(softmax(scores), e / e.sum(axis=-1, keepdims=True), rtol=0, atol=1e-15)
+    mask = np.array([[True, True, False, False], [False, False, False, False], [False, True, True, True]])
+    got = softmax(scores, mask)
+    np.testing.assert_allclose(got[0], np.exp([1.0, 2.0]) / np.exp([1.0, 2.0]).sum() @ np.eye(2, 4),
+                               rtol=0, atol=1e-15)
+    assert got[1].tolist() == [0.0, 0.0, 0.0, 0.0]  # a row that sees no key: zeros, not NaN
+    np.testing.assert_allclose(got[2], np.r_[0.0, np.exp([1.0, 0.0, 2.0]) / np.exp([1.0, 0.0, 2.0]).sum()],
+                               rtol=0, atol=1e-15)
+    assert scores[0, 0] == 1.0  # softmax copies; softmax_ works in place and returns its argument
+    work = scores.copy()
+    assert softmax_(work, mask) is work and np.array_equal(work, got)
+    huge = softmax(np.array([[1000.0, 999.0], [-1000.0, -1001.0]], dtype=np.float32))
+    assert huge.dtype == np.float32
+    np.testing.assert_allclose(huge, [[1 / (1 + np.exp(-1)), 1 / (1 + np.exp(1))]] * 2, rtol=1e-6)
+    assert softmax(np.array([[1, 2]])).dtype == np.float64  # integer scores are promoted, not truncated
+
+
+def test_silu_and_swiglu_match_x_sigmoid_x():
+    from kvlab.model.layers import silu, swiglu
+    x = np.array([-1000.0, -30.0, -1.0, 0.0, 0.5, 3.0, 40.0])
+    want = x / (1.0 + np.exp(-np.clip(x, -700, None)))
+    want[0] = -0.0
+    np.testing.assert_allclose(silu(x), want, rtol=1e-15, atol=0)
+    up = np.linspace(-2, 2, x.size)
+    with np.errstate(over="ignore"):
+        np.testing.assert_allclose(swiglu(x.copy(), up), want * up, rtol=1e-15, atol=0)
+    with np.errstate(over="raise"):
+        assert silu(np.array([-1000.0]))[0] == 0.0  # silu guards its own overflow
+
+
+def test_rope_scaling_rules():
+    base = rope_inv_freq(16, 10000.0)
+    np.testing.assert_allclose(rope_inv_freq(16, 10000.0, {"rope_type": "linear", "factor": 4.0}), base / 4,
+                               rtol=1e-15)
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64}
+    got = rope_inv_freq(16, 10000.0, llama3)
+    wavelen = 2 * np.pi / base
+    for i, (f, w) in enumerate(zip(base, wavelen)):  # the three bands of Llama 3.1's rule, one at a time
+        if w < 64 / 4.0:
+            want = f                                   # high frequencies: unchanged
+        elif w > 64 / 1.0:
+            want = f / 8.0                             # low frequencies: divided by the factor
+        else:
+            smooth = (64 / w - 1.0) / (4.0 - 1.0)
+            want = (1 - smooth) * f / 8.0 + smooth * f  # in between: interpolated
+        assert abs(got[i] - want) <= 1e-15 * max(1.0, want), i
+    assert (wavelen < 16).any() and (wavelen > 64).any() and ((wavelen >= 16) & (wavelen <= 64)).any()
+    with pytest.raises(ValueError, match="unsupported rope type 'yarn'"):
+        rope_inv_freq(16, 10000.0, {"rope_type": "yarn"})
+    assert rope_inv_freq(8, 500.0, None, np.float32).dtype == np.float32

@@ -61,3 +61,11 @@ def test_live_report_of_a_grown_and_cropped_cache() -> None:
     model.forward(np.arange(10).reshape(2, 5), cache=half)
     report = half.memory_report()
     assert (report.dtype, report.batch_size, report.payload_bytes) == ("bfloat16", 2, 2 * 5 * 128)
+
+
+def test_cache_repr_names_its_shape_and_model() -> None:
+    model = TinyLlama(seed=7)
+    cache = model.new_cache(kv_dtype="float16")
+    model.forward(np.arange(3)[None], cache=cache)
+    assert repr(cache) == (f"KVCache(layers=2, batch=1, tokens=3, dtype=float16, "
+                           f"fingerprint={model.fingerprint[:12]})")
