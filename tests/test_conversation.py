@@ -158,8 +158,21 @@ def test_json_round_trip_copies_and_validation() -> None:
     assert c.messages[0]["content"] == "u"  # to_json returns copies
     back = Conversation.from_json(c.to_json())
     assert back == c and back.messages is not c.messages
-    for bad in [{"role": "user", "content": "x"}, [["user", "x"]], [{"role": "user", "content": 3}],
-                [{"role": "user"}], [{"role": "user", "content": "x", "token_ids": [True]}],
-                [{"role": "user", "content": "x", "token_ids": (1, 2)}]]:
-        with pytest.raises(ValueError):
+    for bad, message in [
+            ({"role": "user", "content": "x"}, "messages must be a list"),
+            ([["user", "x"]], r"malformed message \['user', 'x'\]"),
+            ([{"role": "user", "content": 3}], "malformed message"),
+            ([{"role": "user"}], "malformed message"),
+            ([{"role": "robot", "content": "x"}], "role must be one of"),
+            ([{"role": "user", "content": "x", "token_ids": [True]}], "malformed token ids in message"),
+            ([{"role": "user", "content": "x", "token_ids": (1, 2)}], "malformed token ids in message")]:
+        with pytest.raises(ValueError, match=message):
             Conversation.from_json(bad)
+
+
+def test_drop_oldest_exchange_with_consecutive_user_messages() -> None:
+    c = Conversation()
+    for role, text in [("user", "u0"), ("user", "u1"), ("assistant", "a1"), ("user", "u2")]:
+        c.add(role, text)
+    assert c.drop_oldest_exchange()  # the oldest exchange is u0 alone: it got no reply
+    assert [m["content"] for m in c.messages] == ["u1", "a1", "u2"]

@@ -33,6 +33,8 @@ def test_defaults_are_float64_and_batch_one() -> None:
     assert tokens_in_budget(CONFIG, 1440 * 10, 2) == 5
     assert tokens_in_budget(CONFIG, 360 * 9, 3, "float16") == 3
     assert type(tokens_in_budget(CONFIG, 10**6)) is int
+    # floor division in integers: a float quotient would round 2**53 - 1/1440 up to 2**53
+    assert tokens_in_budget(CONFIG, 1440 * 2**53 - 1) == 2**53 - 1
 
 
 def test_unknown_dtype_names_the_choices() -> None:

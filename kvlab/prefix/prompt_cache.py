@@ -47,7 +47,8 @@ def generate_with_prompt_cache(model: LlamaModel, prompt_ids: Any, path: str | P
     called with each new token as it is chosen (for streaming output). If generation is interrupted, the
     file is not rewritten.
     """
-    if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 0):
+    if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
+                                       or max_new_tokens < 0):
         raise InputError(f"max_new_tokens must be a non-negative int or None, got {max_new_tokens!r}")
     session = open_prompt_cache(path, model, kv_dtype)
     restored = session.num_cached_tokens
