@@ -18,7 +18,7 @@ from kvlab import Session, TinyLlama
 from kvlab.prefix import common_prefix_length
 
 TOL = 1e-10  # float64 cached vs uncached logits: measured differences are ~1e-15
-MODEL = TinyLlama(seed=7)  # context 64, vocab 260
+MODEL = TinyLlama(seed=7)  # vocab 260
 
 
 @pytest.mark.parametrize("cached,tokens,want", [

@@ -206,23 +206,27 @@ def test_stream_is_consistent_when_abandoned(model: TinyLlama) -> None:
     assert session.tokens == TURN1 + first and session.cache.get_seq_length() == 10
 
 
-@pytest.mark.parametrize("call, error", [
-    (lambda s: s.stream(-1), InputError),
-    (lambda s: s.stream(2.5), InputError),
-    (lambda s: s.stream(2049 - 8 + 1), ContextLengthError),
-    (lambda s: s.stream(3, temperature=-1.0), InputError),
+@pytest.mark.parametrize("call, error, message", [
+    (lambda s: s.stream(-1), InputError, "max_new_tokens must be a non-negative int or None, got -1"),
+    (lambda s: s.stream(2.5), InputError, "max_new_tokens must be a non-negative int or None, got 2.5"),
+    (lambda s: s.stream(True), InputError, "max_new_tokens must be a non-negative int or None, got True"),
+    (lambda s: s.stream(2048 - 8 + 1), ContextLengthError,
+     "8 cached tokens \\+ 2041 new tokens exceed the model's context of 2048 tokens"),
+    (lambda s: s.stream(3, temperature=-1.0), InputError, "temperature must be >= 0"),
 ])
-def test_generation_arguments_are_checked_before_anything_runs(model: TinyLlama, call, error) -> None:
+def test_generation_arguments_are_checked_before_anything_runs(model: TinyLlama, call, error, message) -> None:
     session = Session(model)
     session.feed(TURN1)
     before = snapshot(session)
-    with pytest.raises(error):
+    assert session.context_length == 2048
+    session.stream(2048 - 8).close()  # exactly the room left is accepted (nothing runs until next())
+    with pytest.raises(error, match=message):
         call(session)
     assert_same(snapshot(session), before)
 
 
 def test_generation_needs_a_prompt(model: TinyLlama) -> None:
-    with pytest.raises(InputError):
+    with pytest.raises(InputError, match="the session is empty: feed a prompt before generating"):
         Session(model).stream(3)
 
 
