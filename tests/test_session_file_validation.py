@@ -1,0 +1,124 @@
+"""Session files whose checksum is right but whose contents are wrong, and KVCache.from_arrays' checks.
+
+The checksum only says the bytes are the ones written; a file written by a buggy or hostile writer can be
+consistent and still wrong. Each case here re-signs a tampered file (recomputing its digest with the same
+rule the writer uses), so the reader's validation itself is what must refuse it, with a CheckpointError.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.numpy
+from safetensors import safe_open
+
+from kvlab import CheckpointError, InputError, KVCache, Session, TinyLlama
+from kvlab.prefix import persist
+
+MODEL = TinyLlama(seed=7)  # vocab 260, 2 layers, 2 KV heads, head_dim 8
+TOKENS = [256, 5, 9, 259, 0]
+
+
+def session_file(tmp_path: Path) -> Path:
+    session = Session(MODEL)
+    session.feed(TOKENS)
+    path = tmp_path / "good.kvc"
+    session.save(path)
+    return path
+
+
+def resign(path: Path, out: Path, change) -> Path:
+    """Rewrite `path` with `change(meta)` applied to its kvlab metadata and a valid digest."""
+    with safe_open(str(path), "np") as f:
+        meta = json.loads(f.metadata()["kvlab"])
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    change(meta)
+    blob = bytearray(safetensors.numpy.save(tensors, metadata={"kvlab": json.dumps(meta),
+                                                               "sha256": "0" * 64}))
+    span = persist._digest_span(blob, 8 + int.from_bytes(blob[:8], "little"), "0" * 64)
+    blob[span[0]:span[1]] = persist._sha256_zeroed(blob, span).encode()
+    out.write_bytes(bytes(blob))
+    return out
+
+
+def test_resigning_an_unchanged_file_loads(tmp_path: Path) -> None:
+    same = resign(session_file(tmp_path), tmp_path / "same.kvc", lambda meta: None)
+    saved = persist.read_session_file(same, MODEL)
+    assert saved.tokens == TOKENS and saved.cache.get_seq_length() == 5
+
+
+def set_key(key, value):
+    return lambda meta: meta.__setitem__(key, value)
+
+
+@pytest.mark.parametrize("change, message", [
+    (set_key("tokens", [256, 5, 9, 259]), "token ids or positions are not 5 valid ints"),
+    (set_key("tokens", [256, 5, 9, 259, 0, 1]), "token ids or positions"),
+    (set_key("tokens", None), "token ids or positions"),
+    (set_key("tokens", "abcde"), "token ids or positions"),
+    (set_key("tokens", [256, 5, -1, 259, 0]), "token ids or positions"),
+    (set_key("tokens", [256, 5, 9, 260, 0]), "token ids or positions"),  # == vocab_size: out of range
+    (set_key("tokens", [256, 5, 9.0, 259, 0]), "token ids or positions"),
+    (set_key("tokens", [256, 5, True, 259, 0]), "token ids or positions"),
+    (set_key("positions", [0, 1, 2, 3]), "token ids or positions"),
+    (set_key("positions", [0, 1, -2, 3, 4]), "token ids or positions"),
+    (set_key("positions", {"0": 0}), "token ids or positions"),
+    (set_key("num_tokens", 4), "token ids or positions|shape"),
+    (set_key("num_tokens", "5"), "cache shape does not match the model"),
+    (set_key("num_tokens", 2049), "cache shape does not match the model"),
+    (set_key("head_dim", 4), "cache shape does not match the model"),
+    (set_key("extra", []), "extra data is not a JSON object"),
+    (set_key("version", 2), "session format version 2; this kvlab reads version 1"),
+    (set_key("format", "other"), "not a kvlab session file"),
+    (set_key("kv_dtype", "float7"), "unknown cache dtype 'float7'"),
+    (set_key("kv_dtype", "float32"), "tensor 'layers.0.keys' is not float32|is not float32"),
+])
+def test_consistent_but_wrong_metadata_is_refused(tmp_path: Path, change, message: str) -> None:
+    bad = resign(session_file(tmp_path), tmp_path / "bad.kvc", change)
+    with pytest.raises(CheckpointError, match=message):
+        persist.read_session_file(bad, MODEL)
+    with pytest.raises(CheckpointError):
+        Session.load(bad, MODEL)
+
+
+# --- KVCache.from_arrays -------------------------------------------------------------------------------------
+
+def arrays(length: int = 5, dtype=np.float64, heads: int = 2, dim: int = 8):
+    rng = np.random.default_rng(length)
+    keys = [rng.standard_normal((1, heads, length, dim)).astype(dtype) for _ in range(2)]
+    values = [rng.standard_normal((1, heads, length, dim)).astype(dtype) for _ in range(2)]
+    return keys, values
+
+
+def test_from_arrays_keeps_the_arrays_dtype_unless_told() -> None:
+    keys, values = arrays(dtype=np.float32)
+    cache = KVCache.from_arrays(MODEL.cache_spec, keys, values, np.arange(5))
+    assert cache.dtype == np.float32 and cache.get_seq_length() == 5
+    assert cache[1][0].tobytes() == keys[1].tobytes()
+    half = KVCache.from_arrays(MODEL.cache_spec, keys, values, np.arange(5), kv_dtype="float16")
+    assert half.dtype == np.float16
+    np.testing.assert_array_equal(half[0][1], values[0].astype(np.float16))
+    mixed = KVCache.from_arrays(MODEL.cache_spec, [keys[0], keys[1].astype(np.float64)], values,
+                                np.arange(5))
+    assert mixed.dtype == np.float32  # the first layer's keys decide
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda k, v: (k[:1], v, np.arange(5)), "expected 2 layers of keys and values, got 1 and 2"),
+    (lambda k, v: (k, v + v, np.arange(5)), "expected 2 layers of keys and values, got 2 and 4"),
+    (lambda k, v: ([k[0][0], k[1]], v, np.arange(5)), r"keys must be \[B, 2, T, 8\], got \[2, 5, 8\]"),
+    (lambda k, v: ([np.ones((1, 3, 5, 8)), k[1]], v, np.arange(5)),
+     r"keys must be \[B, 2, T, 8\], got \[1, 3, 5, 8\]"),
+    (lambda k, v: ([np.ones((1, 2, 5, 4)), k[1]], v, np.arange(5)), r"got \[1, 2, 5, 4\]"),
+    (lambda k, v: (k, [v[0], v[1][:, :, :4]], np.arange(5)), "every layer's keys and values must have the "
+                                                              "same shape"),
+    (lambda k, v: (k, v, np.arange(4)), r"positions must be 5 ints, got int64 \[4\]"),
+    (lambda k, v: (k, v, np.arange(5.0)), r"positions must be 5 ints, got float64 \[5\]"),
+])
+def test_from_arrays_names_the_problem(build, message: str) -> None:
+    keys, values = arrays()
+    with pytest.raises(InputError, match=message):
+        KVCache.from_arrays(MODEL.cache_spec, *build(keys, values))
