@@ -82,6 +82,7 @@ def test_fork_of_an_empty_cache_and_of_a_low_precision_cache() -> None:
     model.forward(np.array([[3, 4, 5]]), cache=half)
     copy = half.fork()
     assert copy.dtype == np.float16 and copy.get_seq_length() == 3
+    assert copy[0][0].dtype == np.float16 and copy.memory_report().capacity_bytes == 2 * 2 * 2 * 16 * 8 * 2
     model.forward(np.array([[9]]), cache=copy)
     model.forward(np.array([[8]]), cache=half)
     # the shared prefix rows are bit-identical; the rows written after the fork differ

@@ -163,6 +163,51 @@ def test_all_filters_together() -> None:
                                renormalized(p, {1, 3}), rtol=0, atol=EXACT)
 
 
+def test_huge_logits_and_rows_of_different_scales_do_not_overflow() -> None:
+    sampler = Sampler(SamplingParams(temperature=1.0))
+    got = sampler.probabilities(np.array([[1000.0, 999.0, -1000.0], [0.0, -1.0, -2.0]]))
+    e1, e2 = math.exp(-1.0), math.exp(-2.0)
+    np.testing.assert_allclose(got, [[1 / (1 + e1), e1 / (1 + e1), 0.0],
+                                     [1 / (1 + e1 + e2), e1 / (1 + e1 + e2), e2 / (1 + e1 + e2)]],
+                               rtol=0, atol=EXACT)
+
+
+def test_low_precision_logits_are_computed_in_float64() -> None:
+    # 60000 / 0.5 overflows float16 (max 65504): the division must not happen in the logits' dtype
+    half = Sampler(SamplingParams(temperature=0.5)).probabilities(np.array([[60000.0, 0.0]], dtype=np.float16))
+    assert half.dtype == np.float64 and half.tolist() == [[1.0, 0.0]]
+    single = Sampler(SamplingParams(temperature=1.0)).probabilities(np.array([[0.0, -20.0]], dtype=np.float32))
+    assert single.dtype == np.float64
+    np.testing.assert_allclose(single[0, 1], math.exp(-20) / (1 + math.exp(-20)), rtol=1e-15)
+
+
+def test_top_p_one_keeps_even_a_vanishing_tail() -> None:
+    # p = [0.5, 0.5, 5e-21]: the first two already sum to 1.0 in float64, but top_p = 1.0 means no filter
+    got = probs_of([0.0, 0.0, -46.0])
+    assert got[2] > 0 and got[2] == pytest.approx(math.exp(-46) / 2, rel=1e-12)
+
+
+def test_top_p_boundary_exactly_at_a_prefix_mass() -> None:
+    # four equal logits give exactly 0.25 each; prefix masses 0.25, 0.5 are exact: top_p = 0.5 keeps two
+    assert probs_of([0.0, 0.0, 0.0, 0.0], top_p=0.5).tolist() == [0.5, 0.5, 0.0, 0.0]
+    assert probs_of([0.0, 0.0, 0.0, 0.0], top_p=0.75).tolist() == [1 / 3, 1 / 3, 1 / 3, 0.0]
+
+
+def test_top_p_ties_keep_the_lowest_token_ids() -> None:
+    # 64 equally likely tokens, top_p 0.25: exactly the first 16 ids (a stable sort; unstable sorts of
+    # more than 16 elements reorder ties)
+    got = probs_of([0.0] * 64, top_p=0.25)
+    assert np.flatnonzero(got).tolist() == list(range(16))
+
+
+@given(row=st.lists(st.floats(-20, 20), min_size=2, max_size=40), top_k=st.integers(1, 45))
+def test_top_k_support_is_exactly_the_tokens_at_or_above_the_kth_logit(row, top_k) -> None:
+    logits = np.array([row])
+    got = Sampler(SamplingParams(temperature=1.0, top_k=top_k)).probabilities(logits)[0]
+    kth = np.sort(logits[0])[-min(top_k, len(row))]
+    assert set(np.flatnonzero(got > 0).tolist()) == set(np.flatnonzero(logits[0] >= kth).tolist())
+
+
 # --- drawing -----------------------------------------------------------------------------------------------
 
 def test_draws_are_inverse_cdf_of_the_seeded_uniforms() -> None:
