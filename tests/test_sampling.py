@@ -194,10 +194,14 @@ def test_top_p_boundary_exactly_at_a_prefix_mass() -> None:
 
 
 def test_top_p_ties_keep_the_lowest_token_ids() -> None:
-    # 64 equally likely tokens, top_p 0.25: exactly the first 16 ids (a stable sort; unstable sorts of
-    # more than 16 elements reorder ties)
-    got = probs_of([0.0] * 64, top_p=0.25)
-    assert np.flatnonzero(got).tolist() == list(range(16))
+    # 64 equally likely tokens, top_p 0.25: exactly the first 16 ids
+    assert np.flatnonzero(probs_of([0.0] * 64, top_p=0.25)).tolist() == list(range(16))
+    # 22 tied tokens (every third id) above 42 others: keeping 7 of the tie takes the 7 lowest ids. An
+    # unstable sort of 64 elements reorders ties (numpy's quicksort puts 21 before 18 here).
+    logits = [0.0 if i % 3 == 0 else -1.0 for i in range(64)]
+    p1 = 1.0 / (22 + 42 * math.exp(-1.0))
+    got = probs_of(logits, top_p=6.5 * p1)
+    assert np.flatnonzero(got).tolist() == [0, 3, 6, 9, 12, 15, 18]
 
 
 @given(row=st.lists(st.floats(-20, 20), min_size=2, max_size=40), top_k=st.integers(1, 45))
