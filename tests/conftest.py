@@ -12,7 +12,7 @@ settings.register_profile("ci", derandomize=True, deadline=None, max_examples=60
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", deadline=None, max_examples=40,
                           suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("mutation", derandomize=True, deadline=None, max_examples=20, database=None,
+settings.register_profile("mutation", derandomize=True, deadline=None, max_examples=10, database=None,
                           phases=[Phase.explicit, Phase.generate],
                           suppress_health_check=list(HealthCheck))
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
