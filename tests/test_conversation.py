@@ -159,7 +159,7 @@ def test_json_round_trip_copies_and_validation() -> None:
     back = Conversation.from_json(c.to_json())
     assert back == c and back.messages is not c.messages
     for bad, message in [
-            ({"role": "user", "content": "x"}, "messages must be a list"),
+            ({"role": "user", "content": "x"}, "^messages must be a list$"),
             ([["user", "x"]], r"malformed message \['user', 'x'\]"),
             ([{"role": "user", "content": 3}], "malformed message"),
             ([{"role": "user"}], "malformed message"),

@@ -106,6 +106,14 @@ def test_softmax_matches_the_textbook_formula_with_and_without_a_mask():
     assert huge.dtype == np.float32
     np.testing.assert_allclose(huge, [[1 / (1 + np.exp(-1)), 1 / (1 + np.exp(1))]] * 2, rtol=1e-6)
     assert softmax(np.array([[1, 2]])).dtype == np.float64  # integer scores are promoted, not truncated
+    # attention's layout: [heads, queries, keys], normalized over the last axis only
+    scores3 = np.random.default_rng(0).standard_normal((2, 3, 5))
+    mask3 = np.tril(np.ones((3, 5), dtype=bool), k=2)
+    got3 = softmax(scores3, mask3)
+    want3 = np.where(mask3, np.exp(scores3), 0.0)
+    np.testing.assert_allclose(got3, want3 / want3.sum(axis=-1, keepdims=True), rtol=0, atol=1e-15)
+    e3 = np.exp(scores3)
+    np.testing.assert_allclose(softmax(scores3), e3 / e3.sum(axis=-1, keepdims=True), rtol=0, atol=1e-15)
 
 
 def test_silu_and_swiglu_match_x_sigmoid_x():
@@ -161,8 +169,8 @@ def test_rope_float32_rounds_as_transformers_does(theta):
     positions = np.array([0, 7, 4999, 5003])
     got = apply_rope(x, positions, theta=theta)
     assert got.dtype == np.float32
-    # measured: bit-identical here; 1e-6 allows for float32 cos/sin differing by an ulp across CPUs (SIMD)
-    np.testing.assert_allclose(got, rope_by_hand(x, positions, theta, np.float32), rtol=0, atol=1e-6)
+    # bit-identical: the same float32 operations in the same order (cos/sin from the same NumPy build)
+    np.testing.assert_array_equal(got, rope_by_hand(x, positions, theta, np.float32))
     in64 = apply_rope(x.astype(np.float64), positions, theta=theta)
     np.testing.assert_allclose(in64, rope_by_hand(x.astype(np.float64), positions, theta, np.float64),
                                rtol=0, atol=1e-12)
@@ -171,10 +179,9 @@ def test_rope_float32_rounds_as_transformers_does(theta):
 
 def test_rope_float16_input_is_rotated_in_float64():
     x = np.random.default_rng(5).standard_normal((1, 1, 3, 8)).astype(np.float16)
-    positions = np.array([3, 300, 3000])
+    positions = np.array([3, 777, 2999])  # angles float16 cannot hold (rotating in float16 is off by ~0.5)
     got = apply_rope(x, positions)
     assert got.dtype == np.float16
     want = rope_by_hand(x.astype(np.float64), positions, 10000.0, np.float64)
-    # measured max error 1.2e-3 (float16 output rounding of values up to ~2); bound 4e-3. Rotating in
-    # float16 itself would be off by whole radians at position 3000.
+    # measured max error 1.2e-3 (float16 output rounding of values up to ~2); bound 4e-3.
     np.testing.assert_allclose(got.astype(np.float64), want, rtol=0, atol=4e-3)

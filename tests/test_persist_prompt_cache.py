@@ -73,6 +73,8 @@ def test_stop_reasons_and_the_context_cap(tmp_path: Path) -> None:
     assert (run.new_tokens, run.stop_reason) == (free[:1], "eos")
     with pytest.raises(InputError):
         generate_with_prompt_cache(model, PROMPT, tmp_path / "d.kvc", -1)
+    run = generate_with_prompt_cache(model, PROMPT, tmp_path / "f.kvc", None)  # None: to the context end
+    assert (len(run.new_tokens), run.stop_reason) == (16 - len(PROMPT), "context full")
     run = generate_with_prompt_cache(model, PROMPT, tmp_path / "e.kvc", 0)  # zero new tokens is allowed
     assert (run.new_tokens, run.stop_reason) == ([], "max tokens")
     assert Session.load(tmp_path / "e.kvc", model).tokens == PROMPT

@@ -18,6 +18,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from kvlab.engine.sampling import Sampler, SamplingParams
+from kvlab.errors import InputError
 
 EXACT = 1e-12  # float64 softmax of a handful of logits: errors are ~1e-16; this allows a few ulps x 1e3
 
@@ -83,6 +84,34 @@ def test_top_k_off_or_not_smaller_than_the_vocab_keeps_everything(top_k: int) ->
 def test_top_k_one_is_the_argmax() -> None:
     got = probs_of([0.3, 2.5, 2.4, -1.0], top_k=1)
     assert got.tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3, 5, 10, 50])
+def test_top_k_on_a_realistic_vocabulary(top_k: int) -> None:
+    # selection algorithms only misbehave past their small-array cases: 1000 distinct logits
+    logits = np.random.default_rng(top_k).permutation(1000).astype(float)[None] / 100.0
+    got = Sampler(SamplingParams(temperature=1.0, top_k=top_k)).probabilities(logits)[0]
+    assert set(np.flatnonzero(got).tolist()) == set(np.argsort(-logits[0])[:top_k].tolist())
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"temperature": -0.1}, r"^temperature must be >= 0, got -0.1$"),
+    ({"top_k": -2}, r"^top_k must be an int >= -1 \(0 or -1 = off\), got -2$"),
+    ({"top_k": 2.0}, r"^top_k must be an int >= -1 \(0 or -1 = off\), got 2.0$"),
+    ({"top_p": 0.0}, r"^top_p must be in \(0, 1\], got 0.0$"),
+    ({"top_p": 1.5}, r"^top_p must be in \(0, 1\], got 1.5$"),
+    ({"min_p": -0.1}, r"^min_p must be in \[0, 1\], got -0.1$"),
+    ({"min_p": 1.5}, r"^min_p must be in \[0, 1\], got 1.5$"),
+])
+def test_bad_parameters_are_refused_by_name(params: dict, message: str) -> None:
+    with pytest.raises(InputError, match=message):
+        SamplingParams(**params)
+
+
+def test_parameter_limits_are_accepted() -> None:
+    for params in [{"top_k": -1}, {"top_k": 0}, {"top_p": 1.0}, {"top_p": 1e-9}, {"min_p": 0.0},
+                   {"min_p": 1.0}, {"temperature": 0.0}]:
+        assert SamplingParams(**params) == SamplingParams(**{**SamplingParams().__dict__, **params})
 
 
 def test_top_k_works_per_row() -> None:

@@ -226,7 +226,7 @@ def test_generation_arguments_are_checked_before_anything_runs(model: TinyLlama,
 
 
 def test_generation_needs_a_prompt(model: TinyLlama) -> None:
-    with pytest.raises(InputError, match="the session is empty: feed a prompt before generating"):
+    with pytest.raises(InputError, match="^the session is empty: feed a prompt before generating$"):
         Session(model).stream(3)
 
 

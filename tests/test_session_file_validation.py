@@ -113,8 +113,8 @@ def test_from_arrays_keeps_the_arrays_dtype_unless_told() -> None:
     (lambda k, v: ([np.ones((1, 3, 5, 8)), k[1]], v, np.arange(5)),
      r"keys must be \[B, 2, T, 8\], got \[1, 3, 5, 8\]"),
     (lambda k, v: ([np.ones((1, 2, 5, 4)), k[1]], v, np.arange(5)), r"got \[1, 2, 5, 4\]"),
-    (lambda k, v: (k, [v[0], v[1][:, :, :4]], np.arange(5)), "every layer's keys and values must have the "
-                                                              "same shape"),
+    (lambda k, v: (k, [v[0], v[1][:, :, :4]], np.arange(5)), "^every layer's keys and values must have "
+                                                              "the same shape$"),
     (lambda k, v: (k, v, np.arange(4)), r"positions must be 5 ints, got int64 \[4\]"),
     (lambda k, v: (k, v, np.arange(5.0)), r"positions must be 5 ints, got float64 \[5\]"),
 ])
