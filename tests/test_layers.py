@@ -1,4 +1,4 @@
-"""The building blocks against independent references: RoPE's algebra, attention against a per-head loop."""
+"""The building blocks against independent references: RoPE by hand and by its algebra, attention per head."""
 
 
 import numpy as np
