@@ -20,9 +20,9 @@ def common_prefix_reference(cached, tokens) -> int:
 def attention_reference(q, k, v, qpos, kpos, window=None, causal=True):
     """Per-head attention in plain NumPy: one query head at a time, its KV head chosen as h // group.
 
-    q [B, H, Tq, d], k/v [B, H_kv, Tk, d], positions [Tq] / [Tk] or per row [B, Tq] / [B, Tk]. Each head is a textbook softmax(q k^T /
-    sqrt(d)) v over the keys its mask allows; a row that sees no key gives zeros. No blocking, no grouping
-    tricks, no in-place softmax: the opposite of kvlab's `attend`.
+    q [B, H, Tq, d], k/v [B, H_kv, Tk, d], positions [Tq] / [Tk] or per row [B, Tq] / [B, Tk]. Each head
+    is a textbook softmax(q k^T / sqrt(d)) v over the keys its mask allows; a row that sees no key gives
+    zeros. No blocking, no grouping tricks, no in-place softmax: the opposite of kvlab's `attend`.
     """
     batch, heads, tq, d = q.shape
     group = heads // k.shape[1]

@@ -102,7 +102,8 @@ def test_long_prefill_in_one_call_equals_short_chunks(window) -> None:
     each) and token-by-token decode at the end, in logits and in every cached row."""
     config = ModelConfig(vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         max_position_embeddings=512, sliding_window=window, architecture="MistralForCausalLM")
+                         max_position_embeddings=512, sliding_window=window,
+                         architecture="MistralForCausalLM")
     model = LlamaModel(config, dtype=np.float64, seed=4)
     ids = np.random.default_rng(3).integers(0, 120, size=(1, 300))
     whole = model.forward(ids, use_cache=True)

@@ -129,7 +129,8 @@ def test_last_user_index_and_edits_with_trailing_messages() -> None:
     assert c.edit_last_user("u1'")
     assert [m["content"] for m in c.messages] == ["s", "u0", "a0", "u1'"]
     dropped = c.undo()
-    assert [m["content"] for m in dropped] == ["u1'"] and [m["content"] for m in c.messages] == ["s", "u0", "a0"]
+    assert [m["content"] for m in dropped] == ["u1'"]
+    assert [m["content"] for m in c.messages] == ["s", "u0", "a0"]
 
 
 def test_drop_oldest_exchange_drops_up_to_the_next_user_message() -> None:

@@ -147,6 +147,15 @@ def test_rope_scaling_rules():
             want = (1 - smooth) * f / 8.0 + smooth * f  # in between: interpolated
         assert abs(got[i] - want) <= 1e-15 * max(1.0, want), i
     assert (wavelen < 16).any() and (wavelen > 64).any() and ((wavelen >= 16) & (wavelen <= 64)).any()
+    # low_freq_factor 2 (not 1) so that old_len / low and old_len * low differ; float32 stays float32
+    wide = {**llama3, "low_freq_factor": 2.0, "original_max_position_embeddings": 128}
+    got32 = rope_inv_freq(16, 10000.0, wide, np.float32)
+    assert got32.dtype == np.float32
+    for f, w, g in zip(base, wavelen, got32):
+        smooth = (128 / w - 2.0) / (4.0 - 2.0)
+        want = f if w < 128 / 4.0 else f / 8.0 if w > 128 / 2.0 else (1 - smooth) * f / 8.0 + smooth * f
+        assert abs(g - want) <= 1e-6 * want
+    assert ((wavelen > 64) & (wavelen <= 256)).any()  # a wavelength that the two readings classify apart
     with pytest.raises(ValueError, match="unsupported rope type 'yarn'"):
         rope_inv_freq(16, 10000.0, {"rope_type": "yarn"})
     assert rope_inv_freq(8, 500.0, None, np.float32).dtype == np.float32
@@ -185,3 +194,15 @@ def test_rope_float16_input_is_rotated_in_float64():
     want = rope_by_hand(x.astype(np.float64), positions, 10000.0, np.float64)
     # measured max error 1.2e-3 (float16 output rounding of values up to ~2); bound 4e-3.
     np.testing.assert_allclose(got.astype(np.float64), want, rtol=0, atol=4e-3)
+
+
+def test_grouped_attention_honours_an_explicit_scale():
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((1, 4, 3, 8))
+    k, v = rng.standard_normal((2, 1, 2, 5, 8))
+    qpos, kpos = np.arange(2, 5), np.arange(5)
+    got = grouped_attention(q, k, v, query_positions=qpos, key_positions=kpos, scale=0.05)
+    # the default scale is 1/sqrt(8); scale 0.05 is the default applied to q * 0.05 * sqrt(8)
+    want = attention_reference(q * 0.05 * np.sqrt(8), k, v, qpos, kpos)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+    assert np.abs(got - grouped_attention(q, k, v, query_positions=qpos, key_positions=kpos)).max() > 1e-3

@@ -84,7 +84,7 @@ def test_consistent_but_wrong_metadata_is_refused(tmp_path: Path, change, messag
         Session.load(bad, MODEL)
 
 
-# --- KVCache.from_arrays -------------------------------------------------------------------------------------
+# --- KVCache.from_arrays ---------------------------------------------------------------------------------
 
 def arrays(length: int = 5, dtype=np.float64, heads: int = 2, dim: int = 8):
     rng = np.random.default_rng(length)
@@ -122,3 +122,35 @@ def test_from_arrays_names_the_problem(build, message: str) -> None:
     keys, values = arrays()
     with pytest.raises(InputError, match=message):
         KVCache.from_arrays(MODEL.cache_spec, *build(keys, values))
+
+
+# --- what the writer puts in the file --------------------------------------------------------------------
+
+def test_the_metadata_is_canonical_json_and_names_the_compute_dtype(tmp_path: Path) -> None:
+    model = TinyLlama(seed=7, dtype=np.float32)
+    session = Session(model)
+    session.feed(TOKENS)
+    session.extra = {"zeta": 1, "alpha": "héllo ☃"}
+    session.save(tmp_path / "f32.kvc")
+    with safe_open(str(tmp_path / "f32.kvc"), "np") as f:
+        raw = f.metadata()["kvlab"]
+    meta = json.loads(raw)
+    assert raw == json.dumps(meta, sort_keys=True, ensure_ascii=False, allow_nan=False)  # sorted, UTF-8
+    assert "héllo ☃" in raw
+    assert (meta["compute_dtype"], meta["kv_dtype"]) == ("float32", "float32")
+    assert Session.load(tmp_path / "f32.kvc", model).tokens == TOKENS
+
+
+def test_the_writer_refuses_what_it_cannot_write_faithfully(tmp_path: Path) -> None:
+    session = Session(MODEL)
+    session.feed(TOKENS)
+    with pytest.raises(InputError, match="^a session file holds one sequence with one row per token; got "
+                                         "batch 1, 5 rows and 4 tokens$"):
+        persist.write_session_file(tmp_path / "x.kvc", session.cache, TOKENS[:4], {})
+    batch = MODEL.new_cache(batch_size=2)
+    MODEL.forward(np.array([TOKENS, TOKENS]), cache=batch)
+    with pytest.raises(InputError, match="got batch 2, 5 rows and 5 tokens"):
+        persist.write_session_file(tmp_path / "x.kvc", batch, TOKENS, {})
+    with pytest.raises(InputError, match="^session extra data must be JSON-serializable"):
+        persist.write_session_file(tmp_path / "x.kvc", session.cache, TOKENS, {"x": float("nan")})
+    assert not (tmp_path / "x.kvc").exists()
