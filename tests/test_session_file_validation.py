@@ -154,3 +154,38 @@ def test_the_writer_refuses_what_it_cannot_write_faithfully(tmp_path: Path) -> N
     with pytest.raises(InputError, match="^session extra data must be JSON-serializable"):
         persist.write_session_file(tmp_path / "x.kvc", session.cache, TOKENS, {"x": float("nan")})
     assert not (tmp_path / "x.kvc").exists()
+
+
+# --- the checksum field itself -------------------------------------------------------------------------------
+
+def test_checksum_field_problems_are_named(tmp_path: Path) -> None:
+    good = session_file(tmp_path)
+    blob = good.read_bytes()
+    with safe_open(str(good), "np") as f:
+        digest = f.metadata()["sha256"]
+    bad = tmp_path / "bad.kvc"
+    for replacement in ["X" * 64, digest.upper()]:  # same length: the header stays valid JSON
+        bad.write_bytes(blob.replace(digest.encode(), replacement.encode()))
+        with pytest.raises(CheckpointError, match=rf"^{bad}: corrupt checksum field$"):
+            Session.load(bad, MODEL)
+    with safe_open(str(good), "np") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+        meta = dict(f.metadata())
+    safetensors.numpy.save_file(tensors, bad, metadata={**meta, "sha256": digest[:63]})
+    with pytest.raises(CheckpointError, match=rf"^{bad}: corrupt checksum field$"):
+        Session.load(bad, MODEL)
+    # a header written by another tool with spaces after the colons: the digest field cannot be located
+    header_len = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + header_len])
+    spaced = json.dumps(header).encode()
+    bad.write_bytes(len(spaced).to_bytes(8, "little") + spaced + blob[8 + header_len:])
+    with pytest.raises(CheckpointError, match=rf"^{bad}: the checksum field is missing or ambiguous$"):
+        Session.load(bad, MODEL)
+    changed = bytearray(blob)
+    changed[-1] ^= 1
+    bad.write_bytes(bytes(changed))
+    with pytest.raises(CheckpointError, match=rf"^{bad}: checksum mismatch: the file was truncated, corrupted "
+                                              "or modified after it was written$"):
+        Session.load(bad, MODEL)
+    with pytest.raises(CheckpointError, match=rf"^{tmp_path}: cannot read \(Is a directory\)$"):
+        Session.load(tmp_path, MODEL)
