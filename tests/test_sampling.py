@@ -94,14 +94,14 @@ def test_top_k_on_a_realistic_vocabulary(top_k: int) -> None:
     assert set(np.flatnonzero(got).tolist()) == set(np.argsort(-logits[0])[:top_k].tolist())
 
 
-@pytest.mark.parametrize("params, message", [
-    ({"temperature": -0.1}, r"^temperature must be >= 0, got -0.1$"),
-    ({"top_k": -2}, r"^top_k must be an int >= -1 \(0 or -1 = off\), got -2$"),
-    ({"top_k": 2.0}, r"^top_k must be an int >= -1 \(0 or -1 = off\), got 2.0$"),
-    ({"top_p": 0.0}, r"^top_p must be in \(0, 1\], got 0.0$"),
-    ({"top_p": 1.5}, r"^top_p must be in \(0, 1\], got 1.5$"),
-    ({"min_p": -0.1}, r"^min_p must be in \[0, 1\], got -0.1$"),
-    ({"min_p": 1.5}, r"^min_p must be in \[0, 1\], got 1.5$"),
+@pytest.mark.parametrize("params, message", [  # the name first, the value last: what a user must see
+    ({"temperature": -0.1}, r"^temperature must be .*, got -0\.1$"),
+    ({"top_k": -2}, r"^top_k .*, got -2$"),
+    ({"top_k": 2.0}, r"^top_k .*, got .*2\.0$"),
+    ({"top_p": 0.0}, r"^top_p must be .*, got 0\.0$"),
+    ({"top_p": 1.5}, r"^top_p must be .*, got 1\.5$"),
+    ({"min_p": -0.1}, r"^min_p must be .*, got -0\.1$"),
+    ({"min_p": 1.5}, r"^min_p must be .*, got 1\.5$"),
 ])
 def test_bad_parameters_are_refused_by_name(params: dict, message: str) -> None:
     with pytest.raises(InputError, match=message):

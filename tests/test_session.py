@@ -207,9 +207,9 @@ def test_stream_is_consistent_when_abandoned(model: TinyLlama) -> None:
 
 
 @pytest.mark.parametrize("call, error, message", [
-    (lambda s: s.stream(-1), InputError, "max_new_tokens must be a non-negative int or None, got -1"),
-    (lambda s: s.stream(2.5), InputError, "max_new_tokens must be a non-negative int or None, got 2.5"),
-    (lambda s: s.stream(True), InputError, "max_new_tokens must be a non-negative int or None, got True"),
+    (lambda s: s.stream(-1), InputError, r"^max_new_tokens must be .*, got .*-1$"),
+    (lambda s: s.stream(2.5), InputError, r"^max_new_tokens must be .*, got .*2\.5$"),
+    (lambda s: s.stream(True), InputError, r"^max_new_tokens must be .*, got .*True$"),
     (lambda s: s.stream(2048 - 8 + 1), ContextLengthError,
      "8 cached tokens \\+ 2041 new tokens exceed the model's context of 2048 tokens"),
     (lambda s: s.stream(3, temperature=-1.0), InputError, "temperature must be >= 0"),

@@ -151,7 +151,7 @@ def test_the_writer_refuses_what_it_cannot_write_faithfully(tmp_path: Path) -> N
     MODEL.forward(np.array([TOKENS, TOKENS]), cache=batch)
     with pytest.raises(InputError, match="got batch 2, 5 rows and 5 tokens"):
         persist.write_session_file(tmp_path / "x.kvc", batch, TOKENS, {})
-    with pytest.raises(InputError, match="^session extra data must be JSON-serializable"):
+    with pytest.raises(InputError, match="^session extra"):
         persist.write_session_file(tmp_path / "x.kvc", session.cache, TOKENS, {"x": float("nan")})
     assert not (tmp_path / "x.kvc").exists()
 
