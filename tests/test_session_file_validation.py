@@ -15,7 +15,7 @@ import pytest
 import safetensors.numpy
 from safetensors import safe_open
 
-from kvlab import CheckpointError, InputError, KVCache, Session, TinyLlama
+from kvlab import CacheMismatchError, CheckpointError, InputError, KVCache, Session, TinyLlama
 from kvlab.prefix import persist
 
 MODEL = TinyLlama(seed=7)  # vocab 260, 2 layers, 2 KV heads, head_dim 8
@@ -189,3 +189,18 @@ def test_checksum_field_problems_are_named(tmp_path: Path) -> None:
         Session.load(bad, MODEL)
     with pytest.raises(CheckpointError, match=rf"^{tmp_path}: cannot read \(Is a directory\)$"):
         Session.load(tmp_path, MODEL)
+
+
+def test_unreadable_metadata_and_another_compute_dtype_are_named(tmp_path: Path) -> None:
+    good = session_file(tmp_path)
+    with safe_open(str(good), "np") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    blob = bytearray(safetensors.numpy.save(tensors, metadata={"kvlab": "{not json", "sha256": "0" * 64}))
+    span = persist._digest_span(blob, 8 + int.from_bytes(blob[:8], "little"), "0" * 64)
+    blob[span[0]:span[1]] = persist._sha256_zeroed(blob, span).encode()
+    (tmp_path / "meta.kvc").write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError, match=rf"^{tmp_path / 'meta.kvc'}: corrupt metadata \("):
+        persist.read_session_file(tmp_path / "meta.kvc", MODEL)
+    with pytest.raises(CacheMismatchError, match=rf"^{good}: cache computed in float64, the model runs in "
+                                                 "float32$"):
+        persist.read_session_file(good, TinyLlama(seed=7, dtype=np.float32))
