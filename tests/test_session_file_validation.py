@@ -204,3 +204,17 @@ def test_unreadable_metadata_and_another_compute_dtype_are_named(tmp_path: Path)
     with pytest.raises(CacheMismatchError, match=rf"^{good}: cache computed in float64, the model runs in "
                                                  "float32$"):
         persist.read_session_file(good, TinyLlama(seed=7, dtype=np.float32))
+
+
+def test_another_model_or_cache_dtype_is_named_exactly(tmp_path: Path) -> None:
+    good = session_file(tmp_path)
+    other = TinyLlama(seed=8)
+    with pytest.raises(CacheMismatchError, match=(
+            rf"^{good}: saved by a different model \(fingerprint {MODEL.fingerprint[:12]} vs "
+            rf"{other.fingerprint[:12]}\): cached keys and values are valid only for the exact weights, "
+            "config and dtype$")):
+        persist.read_session_file(good, other)
+    with pytest.raises(CacheMismatchError, match=(
+            rf"^{good}: the file holds float64 rows, float16 was asked for; converting would change the "
+            "numbers the rows were computed with$")):
+        persist.read_session_file(good, MODEL, "float16")
