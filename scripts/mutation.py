@@ -9,7 +9,7 @@
 mutmut's settings (which modules it mutates, which tests it runs) are in pyproject.toml, [tool.mutmut].
 Hypothesis runs with the `mutation` profile (tests/conftest.py): derandomized, no shrinking. Mutants listed
 in scripts/equivalent_mutants.txt (each with the reason it cannot be killed) are left out of the
-denominator of the kill rate and printed separately. Not part of CI: a full run takes about an hour on
+denominator of the kill rate and printed separately. Not part of CI: a full run takes one to two hours on
 one core. Coverage runs the whole suite once with `--cov=kvlab --cov-branch` and prints a per-module table.
 """
 
