@@ -133,7 +133,8 @@ BASE_HF = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_siz
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}},
      "llama3 rope scaling needs 'high_freq_factor'"),
     ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
-    ({"sliding_window": -4, "architectures": ["MistralForCausalLM"]}, "sliding_window must be a positive int"),
+    ({"sliding_window": -4, "architectures": ["MistralForCausalLM"]},
+     "sliding_window must be a positive int"),
 ])
 def test_unsupported_hf_configs_name_the_field(changes, message):
     raw = {k: v for k, v in {**BASE_HF, **changes}.items() if v is not None}

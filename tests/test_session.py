@@ -214,7 +214,8 @@ def test_stream_is_consistent_when_abandoned(model: TinyLlama) -> None:
      "8 cached tokens \\+ 2041 new tokens exceed the model's context of 2048 tokens"),
     (lambda s: s.stream(3, temperature=-1.0), InputError, "temperature must be >= 0"),
 ])
-def test_generation_arguments_are_checked_before_anything_runs(model: TinyLlama, call, error, message) -> None:
+def test_generation_arguments_are_checked_before_anything_runs(model: TinyLlama, call, error,
+                                                                message) -> None:
     session = Session(model)
     session.feed(TURN1)
     before = snapshot(session)

@@ -156,7 +156,7 @@ def test_the_writer_refuses_what_it_cannot_write_faithfully(tmp_path: Path) -> N
     assert not (tmp_path / "x.kvc").exists()
 
 
-# --- the checksum field itself -------------------------------------------------------------------------------
+# --- the checksum field itself ---------------------------------------------------------------------------
 
 def test_checksum_field_problems_are_named(tmp_path: Path) -> None:
     good = session_file(tmp_path)
@@ -184,8 +184,8 @@ def test_checksum_field_problems_are_named(tmp_path: Path) -> None:
     changed = bytearray(blob)
     changed[-1] ^= 1
     bad.write_bytes(bytes(changed))
-    with pytest.raises(CheckpointError, match=rf"^{bad}: checksum mismatch: the file was truncated, corrupted "
-                                              "or modified after it was written$"):
+    with pytest.raises(CheckpointError, match=rf"^{bad}: checksum mismatch: the file was truncated, "
+                                              "corrupted or modified after it was written$"):
         Session.load(bad, MODEL)
     with pytest.raises(CheckpointError, match=rf"^{tmp_path}: cannot read \(Is a directory\)$"):
         Session.load(tmp_path, MODEL)
