@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from kvlab import ModelConfig, TinyLlama
+from kvlab import InputError, ModelConfig, TinyLlama
 from kvlab.cache.memory import canonical_dtype, kv_bytes_per_token, kv_payload_bytes, tokens_in_budget
 
 # 3 layers x 5 KV heads x head_dim 6: per token 2 * 3 * 5 * 6 = 180 scalars
@@ -71,3 +71,18 @@ def test_cache_repr_names_its_shape_and_model() -> None:
     model.forward(np.arange(3)[None], cache=cache)
     assert repr(cache) == (f"KVCache(layers=2, batch=1, tokens=3, dtype=float16, "
                            f"fingerprint={model.fingerprint[:12]})")
+
+
+def test_layer_indexing_and_crop_errors_name_the_problem() -> None:
+    model = TinyLlama(seed=7)
+    cache = model.forward(np.arange(4)[None], use_cache=True).cache
+    assert cache[-2][0].tobytes() == cache[0][0].tobytes()
+    assert cache[1][1].tobytes() == cache[-1][1].tobytes()
+    for bad in (2, -3):
+        with pytest.raises(IndexError, match=rf"^layer {bad} out of range for a 2-layer cache$"):
+            cache[bad]
+    with pytest.raises(InputError, match=r"^crop length must be an int, got 2\.0$"):
+        cache.crop(2.0)
+    with pytest.raises(InputError, match="^cannot crop a cache of 4 tokens to 5$"):
+        cache.crop(5)
+    assert cache.get_seq_length() == 4

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from references import common_prefix_reference
 
-from kvlab import Session, TinyLlama
+from kvlab import ContextLengthError, InputError, Session, TinyLlama
 from kvlab.prefix import common_prefix_length
 
 TOL = 1e-10  # float64 cached vs uncached logits: measured differences are ~1e-15
@@ -82,3 +82,21 @@ def test_session_reuse_equals_the_reference_on_random_turns(turns) -> None:
         np.testing.assert_allclose(turn.logits, MODEL.forward(np.array([tokens])).logits[0, -1], rtol=0,
                                    atol=TOL)
         before = tokens
+
+
+def test_a_session_may_fill_the_whole_context_and_save_it(tmp_path) -> None:
+    model = TinyLlama(seed=7, max_position_embeddings=16)
+    session = Session(model)
+    turn = session.feed(list(range(16)))  # exactly the context: allowed
+    assert turn.tokens == 16 and isinstance(turn.seconds, float) and turn.seconds > 0
+    session.save(tmp_path / "full.kvc")
+    assert Session.load(tmp_path / "full.kvc", model).tokens == list(range(16))
+    with pytest.raises(ContextLengthError, match="^17 tokens exceed the model's context of 16 tokens"):
+        session.feed(list(range(17)))
+    for bad, message in [([], "^the token sequence is empty: a turn needs at least one token$"),
+                         ([[1, 2], [3, 4]], r"^a session holds one sequence: give 1-D token ids, got shape "
+                                            r"\(2, 2\)$"),
+                         ([[1, 2], [3]], r"^token ids must be a flat sequence of ints \(")]:
+        with pytest.raises(InputError, match=message):
+            session.feed(bad)
+    assert session.tokens == list(range(16))
