@@ -218,3 +218,18 @@ def test_another_model_or_cache_dtype_is_named_exactly(tmp_path: Path) -> None:
             rf"^{good}: the file holds float64 rows, float16 was asked for; converting would change the "
             "numbers the rows were computed with$")):
         persist.read_session_file(good, MODEL, "float16")
+
+
+def test_missing_or_extra_tensors_are_named(tmp_path: Path) -> None:
+    good = session_file(tmp_path)
+    with safe_open(str(good), "np") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+        meta = dict(f.metadata())
+    del tensors["layers.1.values"]
+    blob = bytearray(safetensors.numpy.save(tensors, metadata={**meta, "sha256": "0" * 64}))
+    span = persist._digest_span(blob, 8 + int.from_bytes(blob[:8], "little"), "0" * 64)
+    blob[span[0]:span[1]] = persist._sha256_zeroed(blob, span).encode()
+    (tmp_path / "t.kvc").write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError, match=rf"^{tmp_path / 't.kvc'}: expected tensors "
+                                              r"layers\.0\.\.1\.keys/values$"):
+        persist.read_session_file(tmp_path / "t.kvc", MODEL)
