@@ -86,3 +86,28 @@ def test_layer_indexing_and_crop_errors_name_the_problem() -> None:
     with pytest.raises(InputError, match="^cannot crop a cache of 4 tokens to 5$"):
         cache.crop(5)
     assert cache.get_seq_length() == 4
+
+
+def test_capacity_doubles_and_never_drops_below_the_minimum() -> None:
+    from kvlab.cache.contiguous import ContiguousStore
+    store = ContiguousStore(1, 1, 1, 2, np.float64, capacity=1)
+    store.reserve(2)
+    assert store.capacity_tokens == 16  # MIN_CAPACITY, not 2 x 1
+    store.reserve(17)
+    assert store.capacity_tokens == 32  # doubled, not tripled
+    store.reserve(100)
+    assert store.capacity_tokens == 100  # a big jump takes exactly what is asked
+
+
+def test_incompatible_caches_are_named_exactly() -> None:
+    from kvlab import CacheMismatchError
+    model, other = TinyLlama(seed=7), TinyLlama(seed=8)
+    cache = model.new_cache()
+    with pytest.raises(CacheMismatchError, match=(
+            rf"^this cache was produced by a different model \(fingerprint {model.fingerprint[:12]} vs the "
+            rf"model's {other.fingerprint[:12]}\): cached keys and values are only valid for the exact "
+            "weights, config and dtype that computed them$")):
+        cache.check_compatible(other.cache_spec, 1)
+    spec32 = type(model.cache_spec)(**{**model.cache_spec.__dict__, "compute_dtype": np.dtype(np.float32)})
+    with pytest.raises(CacheMismatchError, match="^cache computed in float64, model runs in float32$"):
+        cache.check_compatible(spec32, 1)
