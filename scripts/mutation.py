@@ -89,6 +89,9 @@ def report() -> float:
     rate = total["killed"] / scored if scored else 0.0
     print(f"\nkill rate: {total['killed']} killed of {scored} non-equivalent checked mutants = {rate:.1%} "
           f"({total['equivalent']} equivalent, listed in {EQUIVALENTS.relative_to(ROOT)})")
+    checked = total["total"] - total["not checked"]
+    print(f"counting the equivalent ones as survivors: {total['killed']} of {checked} = "
+          f"{total['killed'] / checked if checked else 0.0:.1%}; not run yet: {total['not checked']}")
     for module, names in survivors.items():
         print(f"\nsurvivors in {module} (`mutmut show NAME` prints the diff):")
         for name in names:
