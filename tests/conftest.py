@@ -1,14 +1,21 @@
-"""Shared test settings: hypothesis runs derandomized in CI so a red build reproduces locally."""
+"""Shared test settings: hypothesis runs derandomized in CI so a red build reproduces locally.
+
+HYPOTHESIS_PROFILE=mutation (set by scripts/mutation.py) is derandomized and skips shrinking: a mutant only
+needs one failing example, and shrinking it would cost minutes per mutant.
+"""
 
 import os
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 settings.register_profile("ci", derandomize=True, deadline=None, max_examples=60,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", deadline=None, max_examples=40,
                           suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile("ci" if os.environ.get("CI") else "dev")
+settings.register_profile("mutation", derandomize=True, deadline=None, max_examples=10, database=None,
+                          phases=[Phase.explicit, Phase.generate],
+                          suppress_health_check=list(HealthCheck))
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 
 
 def pytest_terminal_summary(terminalreporter):

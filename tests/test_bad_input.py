@@ -1,5 +1,7 @@
 """Bad input gets an error that names the problem and leaves the cache exactly as it was."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -114,3 +116,42 @@ def test_invalid_configs_name_the_field(changes, message):
 def test_unknown_architecture_in_config_json_lists_supported():
     with pytest.raises(ConfigError, match="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
         ModelConfig.from_hf_dict({"architectures": ["GPTNeoXForCausalLM"], "vocab_size": 10})
+
+
+BASE_HF = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported \(only 'silu'\)"),
+    ({"vocab_size": None}, "missing field\\(s\\) vocab_size"),
+    ({"mlp_bias": True}, "mlp_bias=true is not supported"),
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 8,
+      "max_window_layers": 1}, "max_window_layers .* is not supported"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope type 'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "rope scaling 'linear' needs a 'factor'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}},
+     "llama3 rope scaling needs 'high_freq_factor'"),
+    ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
+    ({"sliding_window": -4, "architectures": ["MistralForCausalLM"]},
+     "sliding_window must be a positive int"),
+])
+def test_unsupported_hf_configs_name_the_field(changes, message):
+    raw = {k: v for k, v in {**BASE_HF, **changes}.items() if v is not None}
+    with pytest.raises(ConfigError, match=f"^cfg.json: .*{message}"):
+        ModelConfig.from_hf_dict(raw, source="cfg.json")
+
+
+def test_config_files_that_are_not_configs(tmp_path):
+    with pytest.raises(ConfigError, match="file not found"):
+        ModelConfig.from_file(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        ModelConfig.from_file(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="expected a JSON object"):
+        ModelConfig.from_file(tmp_path / "config.json")
+    (tmp_path / "config.json").write_text(json.dumps({**BASE_HF, "architectures": ["MistralForCausalLM"],
+                                                      "sliding_window": 16}))
+    config = ModelConfig.from_file(tmp_path)
+    assert (config.sliding_window, config.head_dim, config.num_key_value_heads) == (16, 16, 4)

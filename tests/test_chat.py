@@ -90,50 +90,14 @@ def test_a_full_context_drops_the_oldest_exchange() -> None:
     chat = Chat(model, tokenizer, chat_args(max_tokens=8), io.StringIO(), err)
     for i in range(6):
         chat.handle(f"message number {i}")
-    assert "dropped the oldest exchange" in err.getvalue()
-    assert chat.session.num_cached_tokens <= 64
+    # each turn adds 24 tokens (bos only once): from the third turn on, the oldest exchange goes each time
+    assert err.getvalue().count("dropped the oldest exchange") == 4
+    users = [m["content"] for m in chat.conversation.messages if m["role"] == "user"]
+    assert users == ["message number 4", "message number 5"]
+    assert chat.session.tokens == chat.conversation.render(tokenizer)  # the cache holds exactly the history
     chat.handle("x" * 100)
     assert "does not fit" in err.getvalue()
     assert chat.conversation.messages[-1]["role"] == "assistant"  # history kept, long message dropped
-
-
-class TemplateTokenizer(ByteTokenizer):
-    """A byte tokenizer with a ChatML-like template, to check the template path."""
-
-    def apply_chat_template(self, messages, add_generation_prompt=False):
-        text = "".join(f"<{m['role']}>{m['content']}</>" for m in messages)
-        return text + ("<assistant>" if add_generation_prompt else "")
-
-
-def test_conversation_rendering() -> None:
-    plain = Conversation()
-    plain.add("user", "ab")
-    plain.add("assistant", "cd", [99, 257])
-    assert plain.render(ByteTokenizer()) == [256, 97, 98, 99, 257]
-    assert plain.render(TemplateTokenizer()) == list(b"<user>ab</><assistant>cd</><assistant>")
-
-    class NoTemplate(ByteTokenizer):
-        def apply_chat_template(self, messages, add_generation_prompt=False):
-            return None
-
-    assert plain.render(NoTemplate()) == [256, 97, 98, 99, 257]
-
-
-def test_conversation_editing() -> None:
-    c = Conversation()
-    assert c.undo() == [] and not c.edit_last_user("x") and not c.drop_oldest_exchange()
-    c.add("system", "s")
-    for i in range(3):
-        c.add("user", f"u{i}")
-        c.add("assistant", f"a{i}", [i])
-    assert c.edit_last_user("u2'") and [m["content"] for m in c.messages][-2:] == ["a1", "u2'"]
-    assert c.drop_oldest_exchange() and [m["content"] for m in c.messages] == ["s", "u1", "a1", "u2'"]
-    assert [m["content"] for m in c.undo()] == ["u2'"]
-    assert Conversation.from_json(c.to_json()) == c
-    with pytest.raises(ValueError):
-        Conversation.from_json([{"role": "robot", "content": "x"}])
-    with pytest.raises(ValueError):
-        Conversation.from_json([{"role": "user", "content": "x", "token_ids": ["a"]}])
 
 
 CHATML = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
@@ -169,8 +133,6 @@ def test_piped_chat_with_a_model_folder(tmp_path: Path, template: str | None) ->
     """--model PATH with a BPE tokenizer: plain continuation, or the folder's chat template."""
     import kvlab
 
-    if not hasattr(kvlab, "load"):
-        pytest.skip("kvlab.load is not in this kvlab yet")
     make_model_folder(tmp_path / "m", template)
     command = [sys.executable, "-m", "kvlab.cli", "chat", "--model", str(tmp_path / "m"), "-n", "5",
                "--temperature", "0"]

@@ -37,7 +37,18 @@ def test_verify_float32_uses_its_own_tolerance():
 def test_verify_bidirectional_fails_with_a_clear_message():
     out = kvlab("verify", "--bidirectional", check=False)
     assert out.returncode == 1
-    assert "FAIL" in out.stdout and "not causal" in out.stdout
+    verdicts = {row[0]: row[-1] for row in table_rows(out.stdout) if row[0]}
+    assert verdicts == {name: "FAIL" for name in ("decode", "chunks", "batch", "fork", "crop", "paged", "engine")}
+    assert "not causal" in out.stdout
+    result = json.loads(kvlab("verify", "--bidirectional", "--json", check=False).stdout)
+    assert result["passed"] is False
+    assert all(not c["passed"] and c["max_abs_error"] > 1e-3 for c in result["checks"])
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The body rows of the rich tables in `text`, as lists of stripped cells (continuation rows too)."""
+    return [[cell.strip() for cell in line.strip().strip("│").split("│")]
+            for line in text.splitlines() if line.strip().startswith("│")]
 
 
 def test_memory_tiny_is_512_bytes_per_token():
@@ -57,7 +68,10 @@ def test_memory_7b_config_in_float16(tmp_path):
     assert out["total_bytes"] == 524_288 * 4096 * 2
     assert out["tokens_in_budget"] == 8 * 1024**3 // (524_288 * 2)
     text = kvlab("memory", "--config", str(tmp_path), "--dtype", "fp8").stdout
-    assert "262,144" in text
+    per_dtype = {row[0]: int(row[1].replace(",", "")) for row in table_rows(text)}
+    assert per_dtype == {"float64": 2_097_152, "float32": 1_048_576, "float16": 524_288,
+                         "bfloat16": 524_288, "fp8": 262_144, "int8": 262_144, "int4": 131_072}
+    assert "x 1 B (fp8) = 262,144 bytes" in " ".join(text.split())  # the formula for the chosen dtype
 
 
 @pytest.mark.parametrize("args,message", [
@@ -73,9 +87,19 @@ def test_cli_bad_input_is_a_clear_error(args, message):
 
 def test_demo_prints_the_timing_table_work_and_memory():
     out = kvlab("demo", "The cat sat").stdout
-    assert "prefill 'The cat sat'" in out and "0-10 (11)" in out and "0-15 (16)" in out
-    assert "with the cache" in out and "16" in out and "81" in out
-    assert "8,192" in out and "PASS" in out
+    rows = table_rows(out)
+    steps = [r for r in rows if r[0].startswith(("prefill", "process"))]
+    # prompt of 11 byte tokens, then 5 single-token steps: the cache holds 0-10, then one more each step
+    assert [r[1] for r in steps] == [f"0-{n - 1} ({n})" for n in range(11, 17)]
+    assert steps[0][0] == "prefill 'The cat sat'"
+    assert [r[0] for r in steps[1:]] == [f"process {r[2]}" for r in steps[:-1]]  # each chosen token is fed
+    work = {r[0]: (int(r[1]), int(r[2])) for r in rows if r[0].startswith(("with the", "recomputing"))}
+    # rows computed per layer: with the cache 11 + 5 = 16; recomputing the prefix 11 + 12 + ... + 16 = 81
+    assert work == {"with the cache": (16, 32), "recomputing the prefix each step": (sum(range(11, 17)),
+                                                                                    2 * sum(range(11, 17)))}
+    memory = {r[0]: int(r[1].replace(",", "")) for r in rows if r[0] in ("payload", "capacity", "metadata")}
+    assert memory["payload"] == 16 * 512 and memory["capacity"] >= memory["payload"]
+    assert "verify: PASS" in out
 
 
 def test_verify_runs_on_the_shipped_model_in_float32_and_float64():

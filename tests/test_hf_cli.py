@@ -51,17 +51,28 @@ def test_greedy_text_on_stdout_and_one_stats_line_on_stderr(folder):
     assert f"cache {len(prompt) + 11} tokens" in stats  # the last chosen token is never fed back
 
 
+STATS_CACHE = re.compile(r"\| cache (\d+) tokens, ([\d.]+) KiB (\w+) \|")
+
+
 def test_sampling_flags_and_kv_cache_dtype(folder):
     args = ["--model", str(folder), "winter", "-n", "10", "--temperature", "0.9", "--top-p", "0.9",
             "--top-k", "50", "--min-p", "0.01", "--ignore-eos"]
     first = kvlab_generate(*args, "--seed", "3", "--kv-cache-dtype", "bf16")
-    second = kvlab_generate(*args, "--seed", "3", "--kv-cache-dtype", "bf16")
-    assert first.stdout == second.stdout  # seeded
-    assert "bfloat16" in first.stderr
+    model, tokenizer = kvlab.load(folder)
+    prompt = tokenizer.encode("winter")
+    want = []  # the same request through the library: every flag must reach the sampler and the cache
+    generate_tokens(model, prompt, want.append, cache=model.new_cache(kv_dtype="bfloat16"), max_tokens=10,
+                    temperature=0.9, top_p=0.9, top_k=50, min_p=0.01, seed=3)
+    assert first.stdout == "winter" + tokenizer.decode(want) + "\n"
+    assert kvlab_generate(*args, "--seed", "3", "--kv-cache-dtype", "bf16").stdout == first.stdout  # seeded
+    tokens, kib, dtype = STATS_CACHE.search(first.stderr).groups()
+    row_bytes = 2 * CONFIG.num_hidden_layers * CONFIG.num_key_value_heads * CONFIG.head_dim * 2  # bf16
+    assert dtype == "bfloat16" and int(tokens) == len(prompt) + 9
+    assert float(kib) == pytest.approx(int(tokens) * row_bytes / 1024, abs=0.01)
     third = kvlab_generate(*args, "--seed", "4")
-    assert "float32" in third.stderr
+    assert STATS_CACHE.search(third.stderr).group(3) == "float32" and third.stdout != first.stdout
     f64 = kvlab_generate("--model", str(folder), "winter", "-n", "3", "--dtype", "float64", "--max_tokens=3")
-    assert "float64" in f64.stderr  # underscore spelling accepted too
+    assert STATS_CACHE.search(f64.stderr).groups()[::2] == (str(len(prompt) + 2), "float64")  # underscores
 
 
 def test_stops_at_eos(tmp_path):

@@ -58,7 +58,9 @@ def test_fast_decode_with_low_precision_cache(kv_dtype):
     fast = decode_logits(model, ids, 4, kv_dtype)
     model.fast_decode = False
     general = decode_logits(model, ids, 4, kv_dtype)
-    assert np.abs(fast - general).max() <= 1e-4
+    # both paths read the same rounded rows; measured max difference 6.0e-7 (float16) and 5.4e-7 (bfloat16)
+    # on logits up to 3.6, i.e. float32 rounding. Bound 3e-6, 5x the measurement.
+    assert np.abs(fast - general).max() <= 3e-6
 
 
 def test_a_window_really_cuts_keys_in_the_fast_path():

@@ -233,7 +233,8 @@ def test_low_precision_kv_cache_still_tracks_transformers(tmp_path, kv_dtype):
     got = model.forward(ids[:, 12:], cache=cache).logits
     assert cache.dtype.name == kv_dtype
     err = np.abs(got - want[:, 12:]).max()
-    assert 0 < err < (0.05 if kv_dtype == "float16" else 0.3)
+    # measured max error 1.1e-3 (float16) and 8.8e-3 (bfloat16) on logits up to 3.8; bounds ~4x that
+    assert 0 < err < (4e-3 if kv_dtype == "float16" else 3.5e-2)
 
 
 def test_tokenizer_and_text_match_transformers(tmp_path):

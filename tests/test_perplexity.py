@@ -46,7 +46,8 @@ def test_chunked_and_lossy_caches():
     chunked = perplexity(model, stream, 256, context=16, chunk=5)
     lossy = perplexity(model, stream, 256, context=16, kv_dtype="float16", chunk=1)
     assert abs(chunked.mean_nll - exact.mean_nll) < 1e-10
-    assert lossy.mean_nll != exact.mean_nll and abs(lossy.mean_nll - exact.mean_nll) < 1e-2
+    # a float16 cache moves the mean NLL by a measured 1.35e-5 here; bound ~4x that
+    assert lossy.mean_nll != exact.mean_nll and abs(lossy.mean_nll - exact.mean_nll) < 5e-5
 
 
 def test_bad_arguments():

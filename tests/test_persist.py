@@ -114,15 +114,15 @@ def test_every_changed_byte_is_caught(model: TinyLlama, tmp_path: Path) -> None:
     damaged = tmp_path / "damaged.kvc"
     missed = []
     for i in range(len(blob)):
-        for flip in (0x01, 0x80):
-            changed = bytearray(blob)
-            changed[i] ^= flip
-            damaged.write_bytes(bytes(changed))
-            try:  # (pytest.raises in a loop of thousands is slow)
-                Session.load(damaged, model)
-                missed.append((i, flip))
-            except CheckpointError:
-                pass
+        flip = (0x01, 0x80, 0x10)[i % 3]  # one flip per byte, low, high and middle bits in turn
+        changed = bytearray(blob)
+        changed[i] ^= flip
+        damaged.write_bytes(bytes(changed))
+        try:  # (pytest.raises in a loop of thousands is slow)
+            Session.load(damaged, model)
+            missed.append((i, flip))
+        except CheckpointError:
+            pass
     assert missed == []
 
 
@@ -164,13 +164,24 @@ def test_a_failed_save_leaves_the_old_file_and_no_temp_files(model: TinyLlama, s
     def crash(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(persist.os, "replace", crash)
-    with pytest.raises(CheckpointError, match="No space"):
+    temps = []
+
+    def crash_after_recording(source, target):
+        temps.append((Path(source), Path(target), Path(source).read_bytes()))
+        crash()
+
+    monkeypatch.setattr(persist.os, "replace", crash_after_recording)
+    with pytest.raises(CheckpointError, match=rf"^{saved}: cannot write \(No space left on device\)$"):
         session.save(saved)
     assert saved.read_bytes() == before
     assert sorted(p.name for p in saved.parent.iterdir()) == [saved.name]
-    with pytest.raises(CheckpointError):
-        session.save(saved.parent / "no-such-folder" / "x.kvc")
+    # the new bytes went to a hidden temp file beside the target (same filesystem, so the rename is atomic)
+    (source, target, written), = temps
+    assert target == saved and source.parent == saved.parent
+    assert source.name.startswith(f".{saved.name}.") and source.name.endswith(".tmp") and written
+    missing = saved.parent / "no-such-folder" / "x.kvc"
+    with pytest.raises(CheckpointError, match=rf"^{missing}: cannot write \(No such file or directory\)$"):
+        session.save(missing)
 
 
 def test_save_overwrites_atomically(model: TinyLlama, saved: Path) -> None:
@@ -187,7 +198,8 @@ def test_positions_must_start_at_zero_for_a_session(model: TinyLlama, tmp_path: 
     shifted = KVCache.from_arrays(cache.spec, [k for k, _ in cache], [v for _, v in cache],
                                   np.arange(len(HISTORY)) + 5)
     persist.write_session_file(tmp_path / "shifted.kvc", shifted, HISTORY, {})
-    with pytest.raises(CheckpointError, match="positions"):
+    with pytest.raises(CheckpointError, match=rf"^{tmp_path / 'shifted.kvc'}: positions are not 0..12; a "
+                                              "session cache always starts at position 0$"):
         Session.load(tmp_path / "shifted.kvc", model)
 
 

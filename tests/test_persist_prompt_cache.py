@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import kvlab
@@ -72,6 +74,35 @@ def test_stop_reasons_and_the_context_cap(tmp_path: Path) -> None:
     assert (run.new_tokens, run.stop_reason) == (free[:1], "eos")
     with pytest.raises(InputError):
         generate_with_prompt_cache(model, PROMPT, tmp_path / "d.kvc", -1)
+    run = generate_with_prompt_cache(model, PROMPT, tmp_path / "f.kvc", None)  # None: to the context end
+    assert (len(run.new_tokens), run.stop_reason) == (16 - len(PROMPT), "context full")
+    run = generate_with_prompt_cache(model, PROMPT, tmp_path / "e.kvc", 0)  # zero new tokens is allowed
+    assert (run.new_tokens, run.stop_reason) == ([], "max tokens")
+    assert Session.load(tmp_path / "e.kvc", model).tokens == PROMPT
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, "3", True])
+def test_bad_max_new_tokens_is_refused_before_the_file_is_read(model: TinyLlama, tmp_path: Path,
+                                                               bad: object) -> None:
+    path = tmp_path / "other.kvc"
+    generate_with_prompt_cache(TinyLlama(seed=8), PROMPT, path, 1)  # would be a CacheMismatchError
+    before = path.read_bytes()
+    with pytest.raises(InputError, match=rf"^max_new_tokens must be .*, got .*{re.escape(repr(bad))}$"):
+        generate_with_prompt_cache(model, PROMPT, path, bad)
+    assert path.read_bytes() == before
+
+
+def test_the_cache_dtype_is_used_for_new_files_and_checked_for_old_ones(model: TinyLlama,
+                                                                        tmp_path: Path) -> None:
+    path = tmp_path / "half.kvc"
+    first = generate_with_prompt_cache(model, PROMPT, path, 3, kv_dtype="float16")
+    assert first.session.cache.dtype == np.float16
+    assert Session.load(path, model).cache.dtype == np.float16
+    second = generate_with_prompt_cache(model, PROMPT, path, 3, kv_dtype="float16")
+    assert second.restored == len(PROMPT) + 3 and second.session.cache.dtype == np.float16
+    with pytest.raises(CacheMismatchError, match="float16 rows, float32 was asked for"):
+        generate_with_prompt_cache(model, PROMPT, path, 3, kv_dtype="float32")
+    assert open_prompt_cache(path, model, "float16").tokens == PROMPT + second.new_tokens
 
 
 def test_kvlab_generate_prompt_cache_flag(tmp_path: Path) -> None:

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from references import common_prefix_reference
 
 import kvlab
 from kvlab import CacheMismatchError, ContextLengthError, InputError, Session, TinyLlama, generate
 from kvlab.model.weights import random_weights
-from kvlab.prefix import common_prefix_length
 
 TOL = 1e-10
 # The seed's practice: prompt + reply (8 tokens), then a new message appended, then the third token edited.
@@ -58,7 +58,7 @@ def test_seed_practice_numbers_on_the_real_cache(model: TinyLlama) -> None:
         assert turn.logits.shape == (model.config.vocab_size,)
         np.testing.assert_allclose(turn.logits, full_logits(model, tokens), rtol=0, atol=TOL)
         rows.append(turn.computed)
-    assert sum(rows) == 24 and 8 + 13 + 13 == 34
+    assert rows == [8, 5, 11]
     assert session.tokens == EDITED and session.cache.positions.tolist() == list(range(13))
 
 
@@ -206,23 +206,28 @@ def test_stream_is_consistent_when_abandoned(model: TinyLlama) -> None:
     assert session.tokens == TURN1 + first and session.cache.get_seq_length() == 10
 
 
-@pytest.mark.parametrize("call, error", [
-    (lambda s: s.stream(-1), InputError),
-    (lambda s: s.stream(2.5), InputError),
-    (lambda s: s.stream(2049 - 8 + 1), ContextLengthError),
-    (lambda s: s.stream(3, temperature=-1.0), InputError),
+@pytest.mark.parametrize("call, error, message", [
+    (lambda s: s.stream(-1), InputError, r"^max_new_tokens must be .*, got .*-1$"),
+    (lambda s: s.stream(2.5), InputError, r"^max_new_tokens must be .*, got .*2\.5$"),
+    (lambda s: s.stream(True), InputError, r"^max_new_tokens must be .*, got .*True$"),
+    (lambda s: s.stream(2048 - 8 + 1), ContextLengthError,
+     "8 cached tokens \\+ 2041 new tokens exceed the model's context of 2048 tokens"),
+    (lambda s: s.stream(3, temperature=-1.0), InputError, "temperature must be >= 0"),
 ])
-def test_generation_arguments_are_checked_before_anything_runs(model: TinyLlama, call, error) -> None:
+def test_generation_arguments_are_checked_before_anything_runs(model: TinyLlama, call, error,
+                                                                message) -> None:
     session = Session(model)
     session.feed(TURN1)
     before = snapshot(session)
-    with pytest.raises(error):
+    assert session.context_length == 2048
+    session.stream(2048 - 8).close()  # exactly the room left is accepted (nothing runs until next())
+    with pytest.raises(error, match=message):
         call(session)
     assert_same(snapshot(session), before)
 
 
 def test_generation_needs_a_prompt(model: TinyLlama) -> None:
-    with pytest.raises(InputError):
+    with pytest.raises(InputError, match="^the session is empty: feed a prompt before generating$"):
         Session(model).stream(3)
 
 
@@ -248,15 +253,16 @@ def test_reset(model: TinyLlama) -> None:
 
 token = st.integers(0, 259)
 edit = st.one_of(
-    st.tuples(st.just("append"), st.lists(token, min_size=1, max_size=8)),
+    st.tuples(st.just("append"), st.lists(token, min_size=1, max_size=24)),
     st.tuples(st.just("replace"), st.integers(0, 63), token),
     st.tuples(st.just("truncate"), st.integers(1, 64)),
     st.tuples(st.just("trim_front"), st.integers(1, 8)),
     st.tuples(st.just("same"),),
+    st.tuples(st.just("change_last_then_append"), token, st.lists(token, max_size=4)),
 )
 
 
-@given(start=st.lists(token, min_size=1, max_size=16), edits=st.lists(edit, min_size=1, max_size=6))
+@given(start=st.lists(token, min_size=1, max_size=64), edits=st.lists(edit, min_size=1, max_size=6))
 def test_random_edit_sequences_stay_exact(model: TinyLlama, start: list[int], edits: list[tuple]) -> None:
     session = Session(model)
     tokens = list(start)
@@ -265,7 +271,9 @@ def test_random_edit_sequences_stay_exact(model: TinyLlama, start: list[int], ed
     for op in edits:
         before = list(tokens)
         if op[0] == "append":
-            tokens = tokens + op[1]
+            tokens = (tokens + op[1])[: model.config.max_position_embeddings]
+        elif op[0] == "change_last_then_append":
+            tokens = (tokens[:-1] + [op[1]] + op[2])[: model.config.max_position_embeddings]
         elif op[0] == "replace":
             tokens[op[1] % len(tokens)] = op[2]
         elif op[0] == "truncate":
@@ -273,7 +281,7 @@ def test_random_edit_sequences_stay_exact(model: TinyLlama, start: list[int], ed
         elif op[0] == "trim_front" and len(tokens) > op[1]:
             tokens = tokens[op[1]:]
         turns.append(session.feed(tokens))
-        expected_reused.append(min(common_prefix_length(before, tokens), len(tokens) - 1))
+        expected_reused.append(min(common_prefix_reference(before, tokens), len(tokens) - 1))
         turn = turns[-1]
         assert turn.tokens == len(tokens) == turn.reused + turn.computed
         np.testing.assert_allclose(turn.logits, full_logits(model, tokens), rtol=0, atol=TOL)

@@ -9,6 +9,7 @@ not K/V memory and are not counted.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from fractions import Fraction
 
 from kvlab.config import ModelConfig
 from kvlab.errors import InputError
@@ -53,8 +54,9 @@ def kv_payload_bytes(config: ModelConfig, num_tokens: int, batch_size: int = 1,
 def tokens_in_budget(config: ModelConfig, budget_bytes: int, batch_size: int = 1,
                      dtype: str = "float64") -> int:
     """How many positions per sequence fit in `budget_bytes` of K/V (payload and scales) at this batch size."""
-    per_token = kv_bytes_per_token(config, dtype) + kv_scale_bytes_per_token(config, dtype)
-    return int(budget_bytes // (per_token * batch_size))
+    # exact rationals (int4 is half a byte): a float quotient would round a budget just short of n tokens up to n
+    per_token = Fraction(kv_bytes_per_token(config, dtype)) + Fraction(kv_scale_bytes_per_token(config, dtype))
+    return int(Fraction(budget_bytes) // (per_token * batch_size))
 
 
 @dataclass(frozen=True)
