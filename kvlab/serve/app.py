@@ -11,7 +11,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -159,14 +159,10 @@ def create_app(engine: Any, tokenizer: Any, *, model_names: list[str], model_roo
         request_id = f"cmpl-{uuid.uuid4().hex}"
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         group = await loop.add([(rid, p, params, body.cache_salt) for rid, p in zip(ids, prompts)])
-        if body.stream:
-            renderer = StreamRenderer("completion", request_id, model, body.n, state.tokenizer, body.logprobs,
-                                      body.include_usage, _hold_back(body.stop))
-            return AbortingStreamingResponse(_events(group, renderer), group.abort)
-        outputs = await _final(group, request)
-        if outputs is None:
-            return Response(status_code=499)
-        return JSONResponse(completion_body(request_id, model, outputs, body.n, state.tokenizer, body.logprobs))
+        return await _respond(group, request, body, StreamRenderer(
+            "completion", request_id, model, body.n, state.tokenizer, body.logprobs, body.include_usage,
+            _hold_back(body.stop)), lambda outputs: completion_body(request_id, model, outputs, body.n,
+                                                                    state.tokenizer, body.logprobs))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -177,16 +173,24 @@ def create_app(engine: Any, tokenizer: Any, *, model_names: list[str], model_roo
         params = body.sampling_params(body.max_new_tokens, body.num_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         group = await loop.add([(request_id, prompt, params, body.cache_salt)])
-        if body.stream:
-            renderer = StreamRenderer("chat", request_id, model, body.n, state.tokenizer, body.num_logprobs,
-                                      body.include_usage, _hold_back(body.stop))
-            return AbortingStreamingResponse(_events(group, renderer), group.abort)
-        outputs = await _final(group, request)
-        if outputs is None:
-            return Response(status_code=499)
-        return JSONResponse(chat_body(request_id, model, outputs[0], state.tokenizer, body.num_logprobs))
+        return await _respond(group, request, body, StreamRenderer(
+            "chat", request_id, model, body.n, state.tokenizer, body.num_logprobs, body.include_usage,
+            _hold_back(body.stop)), lambda outputs: chat_body(request_id, model, outputs[0], state.tokenizer,
+                                                              body.num_logprobs))
 
     return app
+
+
+async def _respond(group: RequestGroup, request: Request, body: Any, renderer: StreamRenderer,
+                   final_body: Callable[[list[Any]], dict]) -> Response:
+    """The one way a generation request is answered: server-sent events, or one JSON body when done
+    (499 when the client left first); a stream's teardown aborts the request."""
+    if body.stream:
+        return AbortingStreamingResponse(_events(group, renderer), group.abort)
+    outputs = await _final(group, request)
+    if outputs is None:
+        return Response(status_code=499)
+    return JSONResponse(final_body(outputs))
 
 
 async def _final(group: RequestGroup, request: Request) -> list[Any] | None:
