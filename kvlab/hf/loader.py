@@ -18,6 +18,7 @@ from kvlab import validate
 from kvlab.config import ModelConfig
 from kvlab.errors import CheckpointError, ConfigError
 from kvlab.hf.chat_template import ChatTemplate
+from kvlab.hf.progress import weight_progress
 from kvlab.hf.safetensors import SafetensorsHeader, open_tensors, read_header
 from kvlab.model.llama import LlamaModel
 from kvlab.model.weights import HALF_DTYPES, IGNORED_SUFFIXES, expected_shapes, optional_shapes
@@ -25,7 +26,6 @@ from kvlab.tokenizer import HFTokenizer
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "shakespeare"
 FLOAT_CODES = {"float32", "float16", "bfloat16", "float64"}
-PROGRESS_MIN_BYTES = 64 * 1024 * 1024  # show a progress bar for loads above this
 
 
 def resolve_model_dir(path: str | Path | None) -> Path:
@@ -123,7 +123,6 @@ def read_weights(headers: list[SafetensorsHeader], dtype: np.dtype, progress: bo
     """Every used tensor, copied out of its memory map into `dtype` (the model keeps its own arrays);
     with `keep_half`, float16/bfloat16 matrices stay as stored (weights_dtype="auto")."""
     total = sum(t.nbytes for h in headers for t in h.tensors.values())
-    show = total >= PROGRESS_MIN_BYTES if progress is None else progress
     tensors: list[tuple[str, np.ndarray]] = []
     for header in headers:
         tensors += [(name, array) for name, array in open_tensors(header).items()
@@ -134,18 +133,10 @@ def read_weights(headers: list[SafetensorsHeader], dtype: np.dtype, progress: bo
         half = array.ndim == 2 and array.dtype.name in HALF_DTYPES
         return array.dtype if keep_half and half else dtype
 
-    if not show:
+    with weight_progress(total, progress) as advance:
         for name, array in tensors:
             weights[name] = np.array(array, dtype=target(array))
-        return weights
-    from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-    columns = (TextColumn("loading weights"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("load", total=total)
-        for name, array in tensors:
-            weights[name] = np.array(array, dtype=target(array))
-            bar.advance(task, array.nbytes)
+            advance(array.nbytes)
     return weights
 
 
