@@ -9,12 +9,17 @@ and loaded by every engine. Side by side, alternating engines round by round so 
     the streaming-read bandwidth measured in the same round (a parallel sum over 512 MiB, not a gemv);
   * batched decode (batch 1/4/16 at 128 context): tokens/s and the ratio to batch 1;
   * a busy neighbour: a busy loop on one core beside the compiled decode, with 1 and 2 numba threads;
-  * numba's first-run compile time (a cold cache directory) and a warm start, in subprocesses.
+  * numba's first-run compile time (a cold cache directory) and a warm start, in subprocesses;
+  * prefill against the compute roofline: the model's multiply-adds over the float32 GEMM rate NumPy's
+    BLAS reaches in the same round (a 2048x2048 product), since a prefill is bound by arithmetic.
 
-llama.cpp is not run here: llama-cpp-python has no prebuilt wheel for this machine (a source build on
-two shared cores is too slow); FIELD-NOTES' llama.cpp figures are quoted as context, not same-run.
+llama.cpp runs when llama-cpp-python imports (`pip install llama-cpp-python`: PyPI has only the source
+here, which builds in ~15 minutes on two cores): the same weights written by the `gguf` package as F32
+and F16 files (Q/K rows permuted as llama.cpp's converter does, a placeholder vocabulary), driven from a
+worker process (its OpenMP runtime stays apart from numba's) with the same thread count, alternating
+with the other engines round by round. It keeps its own OpenMP wait policy unless one is set outside.
 
-    python bench/bench_hf_decode.py [--threads 2] [--contexts 128 1024] [--batches 1 4 16] [--steps 16]
+    python bench/bench_hf_decode.py [--threads 2] [--contexts 128 1024 4096] [--batches 1 4 16] [--steps 16]
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import argparse
 import json
 import os
 import statistics
+import importlib.metadata
 import subprocess
 import sys
 import tempfile
@@ -32,23 +38,21 @@ from pathlib import Path
 OUT = Path(__file__).resolve().parent / "out"
 SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
              num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
-             rope_theta=100000.0, max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=0,
+             rope_theta=100000.0, max_position_embeddings=8192, rms_norm_eps=1e-5, bos_token_id=0,
              eos_token_id=0)
-# llama.cpp (llama-cpp-python 0.3.36) on the same shape, 2 threads, from /work/shared/FIELD-NOTES.md:
-# another day, another run: context only.
-LLAMA_CPP_NOTES = {"f32": (11.0, 14.0), "f16": (7.0, 8.0)}
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--contexts", type=int, nargs="+", default=[128, 1024])
+    p.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 4096])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per context and engine")
     p.add_argument("--repeats", type=int, default=2, help="alternating rounds; the best round is reported")
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--no-busy", action="store_true", help="skip the busy-neighbour round")
     p.add_argument("--no-compile-time", action="store_true", help="skip the cold/warm compile subprocesses")
+    p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even if llama-cpp-python imports")
     return p.parse_args()
 
 
@@ -57,6 +61,7 @@ ARGS = parse_args()
 # gets the same OpenMP wait policy (kvlab's default, see kvlab/kernels/__init__.py).
 for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
     os.environ[var] = str(ARGS.threads)
+OUTSIDE_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
@@ -64,10 +69,18 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's kvlab, not an installed one
 from kvlab.hf import load_model  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llama_cpp_peer  # noqa: E402
+
 
 def make_checkpoints(f32: Path, bf16: Path) -> None:
     """Seeded random weights of the SmolLM2-135M shape, saved by transformers in float32 and bfloat16."""
-    if (f32 / "model.safetensors").is_file() and (bf16 / "model.safetensors").is_file():
+    def current(folder: Path) -> bool:
+        config = folder / "config.json"
+        return (folder / "model.safetensors").is_file() and config.is_file() and \
+            json.loads(config.read_text()).get("max_position_embeddings") == SHAPE["max_position_embeddings"]
+
+    if current(f32) and current(bf16):
         return
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -106,14 +119,39 @@ def measure_bandwidth(repeats: int = 5) -> float:
     return data.nbytes / best
 
 
-def step_bytes(model, context: int, batch: int = 1) -> int:
-    """Bytes a decode step reads: every weight matrix as stored, once (the LM head included), plus the
-    K/V cache of every sequence at `context`."""
+def matrix_params(model) -> int:
+    """Weights a decode step multiplies by: every block matrix and the LM head."""
+    return sum(getattr(layer, n).size for layer in model.layers
+               for n in ("w_qkv", "w_o", "w_gate_up", "w_down")) + model.lm_head.size
+
+
+def step_bytes(model, context: int, weight_bytes: int, batch: int = 1) -> int:
+    """Bytes a decode step reads: every weight matrix once at `weight_bytes` each (the LM head included),
+    plus the float32 K/V cache of every sequence at `context`."""
     c = model.config
-    weights = sum(getattr(layer, n).nbytes for layer in model.layers
-                  for n in ("w_qkv", "w_o", "w_gate_up", "w_down")) + model.lm_head.nbytes
     kv = 2 * c.num_hidden_layers * c.num_key_value_heads * context * c.head_dim * 4 * batch
-    return weights + kv
+    return matrix_params(model) * weight_bytes + kv
+
+
+def prefill_flops(model, tokens: int) -> float:
+    """Multiply-adds x 2 of a prefill with logits for the last token only: the block matrices for every
+    token, causal attention (QK^T and PV over the visible half), and one LM-head row."""
+    c = model.config
+    blocks = matrix_params(model) - model.lm_head.size
+    attention = 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * tokens * (tokens + 1) / 2
+    return 2.0 * (blocks * tokens + attention + model.lm_head.size)
+
+
+def measure_gemm_rate(repeats: int = 3) -> float:
+    """float32 multiply-adds x 2 per second of NumPy's BLAS on a 2048-square product (the threads set above)."""
+    a = np.ones((2048, 2048), dtype=np.float32)
+    a @ a
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - start)
+    return 2 * 2048 ** 3 / best
 
 
 def kvlab_run(model, prompt: np.ndarray, steps: int) -> tuple[float, float]:
@@ -222,19 +260,39 @@ def main() -> None:
                                                        dtype=dtype).eval()
             ref.generation_config.eos_token_id = None
             engines[label] = ref
+    llama_cpp_note = "skipped (--no-llama-cpp)" if ARGS.no_llama_cpp else llama_cpp_peer.available()
+    if not llama_cpp_note:
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        if OUTSIDE_WAIT_POLICY:
+            env["OMP_WAIT_POLICY"] = OUTSIDE_WAIT_POLICY
+        for qtype in ("F32", "F16"):
+            path = OUT / f"smollm2-135m-shape-{qtype.lower()}.gguf"
+            llama_cpp_peer.write_gguf(f32_dir, path, qtype)
+            engines[f"llama.cpp {qtype.lower()}"] = llama_cpp_peer.LlamaCppWorker(
+                path, ARGS.threads, max(ARGS.contexts) + ARGS.steps + 8, env)
+        llama_cpp_note = f"llama-cpp-python {importlib.metadata.version('llama-cpp-python')}"
+    con.print(f"llama.cpp: {llama_cpp_note}")
     rng = np.random.default_rng(0)
-    bandwidth = 0.0
+    bandwidth = gemm_rate = 0.0
     results: dict[str, dict] = {}
     for context in ARGS.contexts:
         prompt = rng.integers(2, SHAPE["vocab_size"], size=(1, context))
         best = {name: [1e9, 1e9] for name in engines}
         for _ in range(ARGS.repeats):
             bandwidth = max(bandwidth, measure_bandwidth(3))
+            gemm_rate = max(gemm_rate, measure_gemm_rate())
             for name, engine in engines.items():
-                run = transformers_run if name.startswith("transformers") else kvlab_run
-                prefill, decode = run(engine, prompt, ARGS.steps)
+                if name.startswith("transformers"):
+                    prefill, decode = transformers_run(engine, prompt, ARGS.steps)
+                elif name.startswith("llama.cpp"):
+                    prefill, decode = engine.run(context, ARGS.steps)
+                else:
+                    prefill, decode = kvlab_run(engine, prompt, ARGS.steps)
                 best[name] = [min(best[name][0], prefill), min(best[name][1], decode)]
         results[str(context)] = {name: {"prefill": p, "decode": d} for name, (p, d) in best.items()}
+    for name, engine in engines.items():
+        if name.startswith("llama.cpp"):
+            engine.close()
     batch_rows = []
     prompt = rng.integers(2, SHAPE["vocab_size"], size=(max(ARGS.batches), 128))
     for name in ("kvlab compiled f32", "kvlab compiled bf16", "kvlab numpy f32"):
@@ -248,24 +306,27 @@ def main() -> None:
                 if line.startswith("model name")), "unknown CPU")
     load = os.getloadavg()[0]
     title = (f"SmolLM2-135M shape, random weights; {cpu}, {ARGS.threads} threads; streaming read "
-             f"{bandwidth / 1e9:.1f} GB/s measured in the same run; load average {load:.1f} (a shared "
-             "machine: compare ratios, not absolute times)")
+             f"{bandwidth / 1e9:.1f} GB/s, float32 GEMM {gemm_rate / 1e9:.0f} GFLOP/s, both measured in the same "
+             f"run; load average {load:.1f} (a shared machine: compare ratios, not absolute times)")
     table = Table(title=title)
     for column in ("context", "engine", "decode ms/tok", "x roofline", "HF f32 / engine", "prefill ms",
-                   "prefill vs HF f32"):
+                   "prefill vs HF f32", "prefill x compute roofline"):
         table.add_column(column, justify="right" if column != "engine" else "left")
     rows = []
+    reference = engines["kvlab compiled f32"]
     for context, by_engine in results.items():
         hf = by_engine.get("transformers f32")
         for name, r in by_engine.items():
-            model = engines[name] if name.startswith("kvlab") else None
-            roof = step_bytes(model, int(context)) / bandwidth if model is not None else None
-            row = {"context": int(context), "engine": name, **r, "roofline": roof}
+            weight_bytes = 4 if name.endswith("f32") else 2
+            roof = step_bytes(reference, int(context), weight_bytes) / bandwidth
+            compute_roof = prefill_flops(reference, int(context)) / gemm_rate
+            row = {"context": int(context), "engine": name, **r, "roofline": roof,
+                   "prefill_compute_roofline": compute_roof}
             rows.append(row)
-            table.add_row(context, name, f"{1e3 * r['decode']:.2f}",
-                          f"{r['decode'] / roof:.2f}x" if roof else "-",
+            table.add_row(context, name, f"{1e3 * r['decode']:.2f}", f"{r['decode'] / roof:.2f}x",
                           f"{hf['decode'] / r['decode']:.2f}x" if hf else "-", f"{1e3 * r['prefill']:.0f}",
-                          f"{hf['prefill'] / r['prefill']:.2f}x" if hf else "-")
+                          f"{hf['prefill'] / r['prefill']:.2f}x" if hf else "-",
+                          f"{r['prefill'] / compute_roof:.2f}x")
     con.print(table)
     batch_table = Table(title="batched decode at 128 context (weights read once per step for the batch)")
     for column in ("engine", "batch", "ms/step", "tokens/s", "x batch 1"):
@@ -286,11 +347,9 @@ def main() -> None:
                 busy_table.add_row(r["engine"], str(r["threads"]), f"{1e3 * quiet['decode']:.2f}",
                                    f"{1e3 * r['decode']:.2f}", f"{r['decode'] / quiet['decode']:.2f}x")
         con.print(busy_table)
-    con.print(f"llama.cpp (FIELD-NOTES, not this run): f32 {LLAMA_CPP_NOTES['f32'][0]:.0f}-"
-              f"{LLAMA_CPP_NOTES['f32'][1]:.0f} ms/token, f16 {LLAMA_CPP_NOTES['f16'][0]:.0f}-"
-              f"{LLAMA_CPP_NOTES['f16'][1]:.0f} ms/token at 128 context; no llama-cpp-python wheel here")
     OUT.mkdir(exist_ok=True)
     report = {"cpu": cpu, "threads": ARGS.threads, "load_average": load, "bandwidth_bytes_per_s": bandwidth,
+              "gemm_flops_per_s": gemm_rate, "llama_cpp": llama_cpp_note,
               "compile_seconds": compiled, "rows": rows, "batches": batch_rows, "busy_neighbour": busy_rows,
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
               "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE")}

@@ -26,7 +26,7 @@ from kvlab.model import layers
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason="numba is not installed")
 
 if AVAILABLE:
-    from kvlab.kernels import attention, gemv
+    from kvlab.kernels import attention, gemv, prefill_attention
     from kvlab.kernels.bits import BFLOAT16
 
 WEIGHT_DTYPES = ["float32", "float16", "bfloat16"]
@@ -162,6 +162,110 @@ def test_paged_attention_refuses_bad_ranges():
         attention.paged_decode_attention(q, blocks, blocks, np.array([[0, 1]]), [9])
     with pytest.raises(ValueError, match="key range"):
         attention.paged_decode_attention(q, blocks, blocks, np.array([[0, 1]]), [3], [3])
+
+
+# --- prefill attention ----------------------------------------------------------------------------------
+@given(batch=st.integers(1, 3), kv_heads=st.integers(1, 3), group=st.integers(1, 4),
+       head_dim=st.sampled_from([2, 8, 64]), num_new=st.integers(1, 90), cached=st.integers(0, 70),
+       window=st.one_of(st.none(), st.integers(1, 40)), causal=st.booleans(),
+       cache=st.sampled_from(WEIGHT_DTYPES), compute=st.sampled_from(["float32", "float64"]),
+       spare=st.integers(0, 5), seed=st.integers(0, 2**16))
+def test_prefill_attention_equals_numpy_attend(batch, kv_heads, group, head_dim, num_new, cached, window, causal,
+                                               cache, compute, spare, seed):
+    """New queries after `cached` rows, causal or not, windowed or not, any cache dtype, read in place from
+    storage with spare rows past the end: what `layers.attend` gives on the widened rows."""
+    rng = np.random.default_rng(seed)
+    total = cached + num_new
+    keys = (2 * rng.standard_normal((batch, kv_heads, total + spare, head_dim))).astype(as_dtype(cache))
+    values = rng.standard_normal((batch, kv_heads, total + spare, head_dim)).astype(as_dtype(cache))
+    q = (2 * rng.standard_normal((batch, kv_heads * group, num_new, head_dim))).astype(compute)
+    mask = layers.attention_mask(np.arange(cached, total), np.arange(total), causal=causal, sliding_window=window)
+    ranges = prefill_attention.key_ranges(mask, batch, num_new, total)
+    assert ranges is not None  # causal masks and windows give one run of keys per row
+    got = prefill_attention.prefill_attention(q, keys, values, *ranges)
+    want = layers.attend(q, keys[:, :, :total].astype(compute), values[:, :, :total].astype(compute), mask)
+    assert got.dtype == np.dtype(compute) and got.shape == want.shape
+    tol = 1e-13 if compute == "float64" else 2e-6
+    assert np.abs(got - want).max() <= tol * head_dim * scale_of(want)
+
+
+@given(num_seqs=st.integers(1, 3), block_size=st.sampled_from([1, 4, 16]), cache=st.sampled_from(WEIGHT_DTYPES),
+       data=st.data(), seed=st.integers(0, 2**16))
+def test_paged_prefill_attention_equals_contiguous(num_seqs, block_size, cache, data, seed):
+    """Chunks of new queries per sequence over keys in shuffled blocks (an engine's chunked prefill):
+    the same as the contiguous kernel on the gathered rows, sequence by sequence."""
+    rng = np.random.default_rng(seed)
+    kv_heads, group, head_dim = 2, 2, 8
+    num_new = data.draw(st.integers(1, 20), label="new tokens per sequence")
+    cached = data.draw(st.lists(st.integers(0, 40), min_size=num_seqs, max_size=num_seqs), label="cached")
+    lens = [c + num_new for c in cached]
+    max_blocks = max(-(-n // block_size) for n in lens)
+    num_blocks = num_seqs * max_blocks + 2
+    order = rng.permutation(num_blocks)
+    tables = np.zeros((num_seqs, max_blocks), dtype=np.int64)
+    k_blocks = rng.standard_normal((num_blocks, kv_heads, block_size, head_dim)).astype(as_dtype(cache))
+    v_blocks = rng.standard_normal((num_blocks, kv_heads, block_size, head_dim)).astype(as_dtype(cache))
+    lo = np.zeros((num_seqs, num_new), dtype=np.int64)
+    hi = np.array([[c + i + 1 for i in range(num_new)] for c in cached])
+    for s, n in enumerate(lens):
+        count = -(-n // block_size)
+        tables[s, :count] = order[s * max_blocks:s * max_blocks + count]
+    q = rng.standard_normal((num_seqs, kv_heads * group, num_new, head_dim)).astype(np.float32)
+    got = prefill_attention.paged_prefill_attention(q, k_blocks, v_blocks, tables, lo, hi)
+    for s, n in enumerate(lens):
+        blocks = tables[s, :-(-n // block_size)]
+        keys = np.concatenate(list(k_blocks[blocks]), axis=1)[None]
+        values = np.concatenate(list(v_blocks[blocks]), axis=1)[None]
+        alone = prefill_attention.prefill_attention(q[s:s + 1], keys, values, lo[s:s + 1], hi[s:s + 1])[0]
+        assert np.abs(alone - got[s]).max() <= 2e-6 * head_dim
+
+
+def test_key_ranges_from_masks():
+    """A mask whose visible keys are one run per row gives lo/hi; any other mask gives None (the model then
+    takes the NumPy path); a row that sees nothing gives an empty range and zeros."""
+    causal = layers.attention_mask(np.arange(3, 6), np.arange(6), causal=True)
+    lo, hi = prefill_attention.key_ranges(causal, 2, 3, 6)
+    np.testing.assert_array_equal(lo, np.zeros((2, 3)))
+    np.testing.assert_array_equal(hi, [[4, 5, 6]] * 2)
+    holes = np.ones((3, 6), dtype=bool)
+    holes[1, 2] = False
+    assert prefill_attention.key_ranges(holes, 1, 3, 6) is None
+    empty = np.zeros((1, 2, 4), dtype=bool)
+    empty[0, 1, 1:3] = True
+    lo, hi = prefill_attention.key_ranges(empty, 1, 2, 4)
+    assert (lo[0, 0], hi[0, 0]) == (0, 0) and (lo[0, 1], hi[0, 1]) == (1, 3)
+    q = np.ones((1, 1, 2, 4), np.float32)
+    kv = np.ones((1, 1, 4, 4), np.float32)
+    out = prefill_attention.prefill_attention(q, kv, kv, lo, hi)
+    assert np.all(out[0, 0, 0] == 0) and np.allclose(out[0, 0, 1], 1)
+    assert prefill_attention.key_ranges(None, 1, 2, 5)[1].tolist() == [[5, 5]]
+
+
+def test_fast_exp_within_two_ulp_of_exp():
+    """The vectorised float32 exp (softmax, SiLU) against float64 exp over float32's range, and its ends."""
+    from numba import njit
+
+    from kvlab.kernels.fastexp import fast_exp
+
+    @njit
+    def apply(x, out):
+        for i in range(x.shape[0]):
+            out[i] = fast_exp(x[i])
+
+    x = np.concatenate([np.linspace(-87.3, 88.3, 400_001, dtype=np.float32),
+                        np.float32([0.0, -0.0, 1e-8, -1e-8])])
+    got = np.empty_like(x)
+    apply(x, got)
+    want = np.exp(x.astype(np.float64))
+    rel = np.abs(got - want) / want
+    assert rel.max() <= 2 * np.finfo(np.float32).eps
+    ends = np.float32([np.inf, 100.0, 88.5, -88.0, -1000.0, -np.inf])
+    out = np.empty_like(ends)
+    apply(ends, out)
+    assert out.tolist() == [np.inf, np.inf, np.inf, 0.0, 0.0, 0.0]
+    x64, out64 = np.array([-700.0, 0.5, 700.0]), np.empty(3)
+    apply(x64, out64)  # float64 kernels keep np.exp
+    np.testing.assert_array_equal(out64, np.exp(x64))
 
 
 # --- the model's two backends -------------------------------------------------------------------------

@@ -21,13 +21,13 @@ class PlantedFault(KVCache):
 
     row, scale = 5, 1.0
 
-    def update(self, layer, keys, values, positions):
-        out = super().update(layer, keys, values, positions)
-        start, end = self.get_seq_length(), self.get_seq_length() + keys.shape[2]
+    def _write(self, layer, keys, values, positions):  # under both read paths: update and in-place append
+        start = self.get_seq_length()
+        end = super()._write(layer, keys, values, positions)
         if layer == 0 and start <= self.row < end:
             _, stored_values = self.store.read(0, end)
             stored_values[:, 0, self.row] *= self.scale
-        return out
+        return end
 
 
 def faulty_model(scale: float, dtype=np.float32) -> kvlab.TinyLlama:

@@ -19,6 +19,7 @@ import numpy as np
 from numba import njit, prange
 
 from kvlab.kernels.bits import as_kernel_array, widen
+from kvlab.kernels.fastexp import fast_exp
 
 FASTMATH = {"reassoc", "contract"}  # vectorised sums; no assumptions about inf/nan (silu needs inf)
 MAX_KERNEL_ROWS = 16  # above this many rows of x, BLAS on widened weights is faster
@@ -87,14 +88,22 @@ def _rms_norm_rows(x, weight, eps, out, zero):
             out[m, k] = x[m, k] * scale * weight[k]
 
 
-@njit(cache=True)
-def _swiglu_rows(gate_up, out):
-    """out = silu(gate) * up with gate, up the two halves of gate_up's last axis (as layers.swiglu)."""
+def _swiglu_py(gate_up, out):
+    """out = silu(gate) * up with gate, up the two halves of gate_up's last axis (as layers.swiglu),
+    exp vectorised (fastexp.py)."""
     inter = out.shape[1]
-    for m in range(out.shape[0]):
+    for m in prange(out.shape[0]):
+        gate, up, row = gate_up[m, :inter], gate_up[m, inter:], out[m]
         for k in range(inter):
-            g = gate_up[m, k]
-            out[m, k] = g / (1.0 + np.exp(-g)) * gate_up[m, inter + k]
+            g = gate[k]
+            row[k] = g / (1 + fast_exp(-g)) * up[k]
+
+
+# A prefill's thousands of rows go over the threads; a decode step's one row stays on the calling thread
+# (waking the other costs more than the row).
+_swiglu_parallel = njit(parallel=True, fastmath=FASTMATH, cache=True)(_swiglu_py)
+_swiglu_serial = njit(fastmath=FASTMATH, cache=True)(_swiglu_py)
+SWIGLU_PARALLEL_ROWS = 8
 
 
 def widen_matrix(w: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -137,5 +146,5 @@ def swiglu_linear(gate_up: np.ndarray, w: np.ndarray) -> np.ndarray:
     """linear(swiglu(gate, up), w) with gate, up the halves of gate_up: the MLP's down projection."""
     flat = np.ascontiguousarray(gate_up.reshape(-1, gate_up.shape[-1]))
     act = np.empty((flat.shape[0], flat.shape[1] // 2), dtype=flat.dtype)
-    _swiglu_rows(flat, act)
+    (_swiglu_parallel if flat.shape[0] >= SWIGLU_PARALLEL_ROWS else _swiglu_serial)(flat, act)
     return linear(act, w).reshape(*gate_up.shape[:-1], w.shape[0])

@@ -4,7 +4,8 @@ All scheduled tokens of all sequences are flattened into one [N] batch (ragged: 
 own number of tokens, at its own positions, which start at its num_computed_tokens). Embedding, the q/k/v
 projection, RoPE, the output projection and the MLP run over the whole flat batch as single matmuls; only
 attention is per sequence, against the sequence's own blocks. One-token sequences (decodes) share one
-padded attention call (on the compiled backend, a kernel that reads the blocks in place; NumPy gathers them).
+padded attention call (on the compiled backend, a kernel that reads the blocks in place; NumPy gathers them);
+prefill chunks attend sequence by sequence (compiled: kvlab/kernels/prefill_attention.py, in place too).
 New K/V are written into the pool through the slot mapping before attention reads.
 The math is the model's own (`embed_tokens`, `_qkv`, `_finish_block`, `final_logits`, its RoPE tables,
 `attend`), not a copy of it.
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvlab.cache.paged import write_slots
-from kvlab.model.layers import rotate_halves
+from kvlab.model.layers import attention_mask, rotate_halves
 from kvlab.model.llama import LlamaModel
 from kvlab.model.paged_attention import paged_attention
 
@@ -68,6 +69,14 @@ def forward_batch(model: LlamaModel, batch: BatchInput, key_cache: list[np.ndarr
     # compiled decode attention reads a float pool in place; quantized blocks go through the NumPy gather
     in_place = model.backend == "numba" and isinstance(key_cache[0], np.ndarray)
     seq_tables = {i: np.array([batch.block_tables[i]], dtype=np.int64) for i in others}
+    # compiled prefill attention: each chunk's visible keys as one range per query (None: the NumPy path)
+    ranges = {}
+    if in_place:
+        for i in others:
+            query_positions = positions[starts[i]:starts[i + 1]]
+            mask = attention_mask(query_positions, np.arange(batch.context_lens[i]), causal=config.causal,
+                                  sliding_window=config.sliding_window)
+            ranges[i] = model._prefill.key_ranges(mask, 1, len(query_positions), batch.context_lens[i])
 
     x = model.embed_tokens(np.asarray(batch.token_ids, dtype=np.int64))  # [N, hidden], the residual stream
     with np.errstate(over="ignore"):  # swiglu's exp(-gate) may overflow to inf: correct, and silent
@@ -89,6 +98,11 @@ def forward_batch(model: LlamaModel, batch: BatchInput, key_cache: list[np.ndarr
                 attn[decode_rows] = out[:, :, 0]
             for i in others:
                 rows = slice(starts[i], starts[i + 1])
+                if ranges.get(i) is not None:
+                    attn[rows] = model._prefill.paged_prefill_attention(
+                        q[rows].transpose(1, 0, 2)[None], key_cache[index], value_cache[index], seq_tables[i],
+                        *ranges[i])[0].transpose(1, 0, 2)
+                    continue
                 out = paged_attention(q[rows].transpose(1, 0, 2)[None], key_cache[index], value_cache[index],
                                       seq_tables[i], positions[rows][None], [batch.context_lens[i]],
                                       causal=config.causal, sliding_window=config.sliding_window)

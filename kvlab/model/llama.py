@@ -96,8 +96,8 @@ class LlamaModel:
         self.fast_decode = True  # one-token steps take _decode_blocks (False: the general path, to compare)
         self.set_weights(weights if weights is not None else random_weights(config, seed, self.dtype), source)
         if self.backend == "numba":
-            from kvlab.kernels import attention, gemv
-            self._gemv, self._attention = gemv, attention
+            from kvlab.kernels import attention, gemv, prefill_attention
+            self._gemv, self._attention, self._prefill = gemv, attention, prefill_attention
 
     # --- weights -----------------------------------------------------------------------------------------
     def set_weights(self, weights: Mapping[str, np.ndarray], source: str = "weights") -> None:
@@ -239,21 +239,35 @@ class LlamaModel:
         batch, num_new = x.shape[:2]
         heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         qk_heads = heads + kv_heads
-        mask, observer = None, getattr(cache, "observer", None)
+        mask, ranges, observer = None, None, getattr(cache, "observer", None)
+        # The compiled kernel reads the cache where it lies (any float dtype) and splits over both cores;
+        # an observer (H2O) needs the scores, which only the NumPy path materialises.
+        compiled = self.backend == "numba" and observer is None and (cache is None or cache.in_place)
         for index, layer in enumerate(self.layers):
             qkv = self._qkv(x, layer).reshape(batch, num_new, qk_heads + kv_heads, head_dim)
             qk = rotate_halves(qkv[:, :, :qk_heads], cos, sin)  # RoPE on q and k heads together: [B, T, H_q+H_kv, d]
             q = qk[:, :, :heads].transpose(0, 2, 1, 3)
             k = qk[:, :, heads:].transpose(0, 2, 1, 3)
             v = qkv[:, :, qk_heads:].transpose(0, 2, 1, 3)
-            if cache is not None:
+            if compiled and cache is not None:
+                k, v = cache.append(index, k, v, positions)  # whole storage arrays; rows < end are valid
+                key_positions = np.append(cache.positions, positions)
+            elif cache is not None:
                 k, v, key_positions = cache.update(index, k, v, positions)
             else:
                 key_positions = positions
             if index == 0:  # positions are the same in every layer: build the mask once per forward
                 mask = attention_mask(positions, key_positions, causal=config.causal,
                                       sliding_window=config.sliding_window)
-            attn = attend(q, k, v, mask)
+                if compiled:
+                    ranges = self._prefill.key_ranges(mask, batch, num_new, len(key_positions))
+            if ranges is not None:
+                attn = self._prefill.prefill_attention(q, k, v, *ranges)
+            else:
+                if compiled:  # a mask the kernel cannot take (some row's keys are not one run)
+                    end = len(key_positions)
+                    k, v = k[:, :, :end].astype(self.dtype), v[:, :, :end].astype(self.dtype)
+                attn = attend(q, k, v, mask)
             if observer is not None:  # e.g. H2O's attention scores
                 observer(index, q, k, mask)
             self._finish_block(x, layer, attn.transpose(0, 2, 1, 3).reshape(batch, num_new, heads * head_dim))

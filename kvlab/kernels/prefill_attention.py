@@ -1,0 +1,217 @@
+"""Prefill attention: many new queries per sequence against its cached keys and values, on both cores.
+
+The NumPy path (`layers.attend`) makes a [queries, keys] score matrix per head with BLAS, then masks,
+exponentiates and sums it in single-threaded NumPy passes through memory: at 1024 tokens of prompt that
+was half of the prefill time. Here each work item is (sequence, KV head, tile of queries): the tile's G
+query heads' scores against the keys it can see stay in the core's L2, are exponentiated in place
+(fastexp.py: vectorised) and multiplied into the values in the same item, and the items are spread over
+the threads. GQA stays compact: the G query heads of a KV head share one item, so each key row is widened
+once per tile and read from cache for the whole group.
+
+Which keys a query sees is given per query row as a range lo..hi-1 of key indices (a causal mask, a
+sliding window and a chunked prefill's cache all give ranges; `key_ranges` derives them from a boolean
+mask and says None when some row's visible keys are not one run, for the NumPy path to take). Keys are
+addressed through block tables like the decode kernel (attention.py), so a contiguous cache
+[B, H_kv, capacity, d] is the one-block-per-sequence case and a paged pool is read in place; either may be
+float32, float16 or bfloat16 (widened once per item into a float32 copy of the span, K row-major and V
+transposed, so that both products are long contiguous dot products that LLVM vectorises).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from kvlab.kernels.attention import FASTMATH
+from kvlab.kernels.bits import as_kernel_array, widen
+from kvlab.kernels.fastexp import fast_exp
+
+SCORE_BYTES = 192 * 1024  # a work item's score tile (query rows x visible keys) sized to stay in L2
+MAX_TILE = 32
+
+
+@njit(parallel=True, cache=True)
+def _widen_spans(k_blocks, v_blocks, tables, klo, khi, keys, values_t):
+    """keys[s, h, t] = K row klo[s] + t of sequence s, head h, widened; values_t[s, h, :, t] likewise for V."""
+    seqs, kv_heads = keys.shape[0], keys.shape[1]
+    block_size, d = k_blocks.shape[2], k_blocks.shape[3]
+    for item in prange(seqs * kv_heads):
+        s, h = divmod(np.int64(item), kv_heads)
+        for t in range(khi[s] - klo[s]):
+            block, row = divmod(klo[s] + t, block_size)
+            kr = k_blocks[tables[s, block], h, row]
+            vr = v_blocks[tables[s, block], h, row]
+            for j in range(d):
+                keys[s, h, t, j] = widen(kr[j])
+                values_t[s, h, j, t] = widen(vr[j])
+
+
+@njit(fastmath=FASTMATH, inline="always", cache=True)
+def _dots4x2(a0, a1, a2, a3, b0, b1, n, zero):
+    """The eight dot products a_i . b_k over the first n elements: each loaded vector feeds two or four
+    multiply-adds, so the loop is bound by the FMA units rather than by loads."""
+    s00, s10, s20, s30 = zero, zero, zero, zero
+    s01, s11, s21, s31 = zero, zero, zero, zero
+    for j in range(n):
+        x0, x1 = b0[j], b1[j]
+        s00 += a0[j] * x0
+        s10 += a1[j] * x0
+        s20 += a2[j] * x0
+        s30 += a3[j] * x0
+        s01 += a0[j] * x1
+        s11 += a1[j] * x1
+        s21 += a2[j] * x1
+        s31 += a3[j] * x1
+    return s00, s10, s20, s30, s01, s11, s21, s31
+
+
+@njit(fastmath=FASTMATH, inline="always", cache=True)
+def _dot(a, b, n, zero):
+    s = zero
+    for j in range(n):
+        s += a[j] * b[j]
+    return s
+
+
+@njit(fastmath=FASTMATH, inline="always", cache=True)
+def _products(a, b, offset, out, zero):
+    """out[r, t] = a[r] . b[t, offset:offset + n] for a [R, n], b [T, >= offset + n] (C-contiguous rows,
+    so the loops vectorise): blocks of four rows of a by two of b."""
+    rows, cols, n = a.shape[0], out.shape[1], a.shape[1]
+    for r in range(0, rows - rows % 4, 4):
+        a0, a1, a2, a3 = a[r], a[r + 1], a[r + 2], a[r + 3]
+        for t in range(0, cols - cols % 2, 2):
+            o = _dots4x2(a0, a1, a2, a3, b[t][offset:], b[t + 1][offset:], n, zero)
+            out[r, t], out[r + 1, t], out[r + 2, t], out[r + 3, t] = o[0], o[1], o[2], o[3]
+            out[r, t + 1], out[r + 1, t + 1], out[r + 2, t + 1], out[r + 3, t + 1] = o[4], o[5], o[6], o[7]
+        for t in range(cols - cols % 2, cols):
+            for k in range(4):
+                out[r + k, t] = _dot(a[r + k], b[t][offset:], n, zero)
+    for r in range(rows - rows % 4, rows):
+        for t in range(cols):
+            out[r, t] = _dot(a[r], b[t][offset:], n, zero)
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def _prefill(q, keys, values_t, klo, lo, hi, tile, out, zero):
+    """out[s, H, i] = softmax over keys lo[s, i]..hi[s, i]-1 of q[s, H, i] . K, times V.
+
+    q [S, H_q, T, d] pre-scaled; keys [S, H_kv, N, d] and values_t [S, H_kv, d, N] hold key indices
+    klo[s].. of each sequence (see _widen_spans); a row with no visible key gives zeros.
+    """
+    seqs, heads, num_q, d = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    tiles = (num_q + tile - 1) // tile
+    for item in prange(seqs * kv_heads * tiles):
+        # Tiles in zigzag order (0, last, 1, last-1, ...): under a causal mask a tile's cost grows with its
+        # index, and each thread's contiguous share of the items then holds cheap and dear tiles alike.
+        c, rest = divmod(np.int64(item), seqs * kv_heads)
+        s, h = divmod(rest, kv_heads)
+        c = c // 2 if c % 2 == 0 else tiles - 1 - c // 2
+        i0 = c * tile
+        n_q = min(i0 + tile, num_q) - i0
+        first, last = np.int64(1) << 62, np.int64(0)  # the union of the tile's ranges
+        for i in range(i0, i0 + n_q):
+            if hi[s, i] > lo[s, i]:
+                first, last = min(first, lo[s, i]), max(last, hi[s, i])
+        n = max(last - first, 0)
+        if n == 0:
+            out[s, h * group:(h + 1) * group, i0:i0 + n_q] = zero
+            continue
+        rows = group * n_q  # row r is query head h*group + r // n_q at query i0 + r % n_q
+        base = first - klo[s]
+        qt = np.empty((rows, d), dtype=q.dtype)
+        for r in range(rows):
+            g, i = divmod(r, n_q)
+            qt[r] = q[s, h * group + g, i0 + i]
+        scores = np.empty((rows, n), dtype=q.dtype)
+        _products(qt, keys[s, h, base:base + n], 0, scores, zero)
+        for r in range(rows):
+            i = i0 + r % n_q
+            a, b = max(lo[s, i] - first, 0), max(hi[s, i] - first, 0)
+            seen = scores[r, a:b]  # loops from 0 over a slice: no negative-index checks, so they vectorise
+            top = seen[0] if b > a else zero
+            for t in range(seen.shape[0]):
+                top = max(top, seen[t])
+            total = zero
+            for t in range(seen.shape[0]):
+                p = fast_exp(seen[t] - top)
+                seen[t] = p
+                total += p
+            scale = 1 / total if total > 0 else zero
+            for t in range(seen.shape[0]):
+                seen[t] *= scale
+            scores[r, :a] = zero
+            scores[r, b:] = zero
+        pv = np.empty((rows, d), dtype=q.dtype)
+        _products(scores, values_t[s, h], base, pv, zero)
+        for r in range(rows):
+            g, i = divmod(r, n_q)
+            out[s, h * group + g, i0 + i] = pv[r]
+
+
+def key_ranges(mask: np.ndarray | None, batch: int, num_new: int, num_keys: int
+               ) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per query row, the visible keys as lo..hi-1 ([B, T] int64 each), from a mask [T, Tk] or
+    [B, T, Tk] (None: every key visible); None when some row's visible keys are not one contiguous run."""
+    if mask is None:
+        return (np.zeros((batch, num_new), dtype=np.int64), np.full((batch, num_new), num_keys, dtype=np.int64))
+    m = np.broadcast_to(mask, (batch, num_new, num_keys))
+    any_visible = m.any(axis=-1)
+    lo = np.where(any_visible, np.argmax(m, axis=-1), 0)
+    hi = np.where(any_visible, num_keys - np.argmax(m[..., ::-1], axis=-1), 0)
+    if np.any(m.sum(axis=-1) != hi - lo):
+        return None
+    return lo.astype(np.int64), hi.astype(np.int64)
+
+
+def _tile_for(rows_per_query: int, span: int, num_q: int) -> int:
+    """Queries per work item: the score tile within SCORE_BYTES, at least 4 (a block of dot products)."""
+    tile = SCORE_BYTES // max(4 * rows_per_query * span, 1)
+    return int(max(4, min(MAX_TILE, tile, num_q)))
+
+
+def paged_prefill_attention(q: np.ndarray, k_blocks: np.ndarray, v_blocks: np.ndarray,
+                            block_tables: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                            scale: float | None = None) -> np.ndarray:
+    """Attention of T new queries per sequence to its paged K/V, read in place.
+
+    q [S, H_q, T, d] (float32/float64); k_blocks, v_blocks [num_blocks, H_kv, block_size, d] in float32,
+    float16 or bfloat16; block_tables [S, max_blocks]; lo, hi [S, T]: query i of sequence s sees key
+    indices lo[s, i]..hi[s, i]-1 (written already). Returns [S, H_q, T, d] in q's dtype.
+    """
+    seqs, heads, num_q, d = q.shape
+    kv_heads = k_blocks.shape[1]
+    lo, hi = np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
+    tables = np.ascontiguousarray(block_tables, dtype=np.int64)
+    capacity = tables.shape[1] * k_blocks.shape[2]
+    if heads % kv_heads or lo.shape != (seqs, num_q) or hi.shape != (seqs, num_q) or np.any(lo < 0) \
+            or np.any(hi > capacity):
+        raise ValueError(f"prefill attention needs H_q a multiple of H_kv and key ranges [S, T] within "
+                         f"0..{capacity}; got q {q.shape}, {kv_heads} KV heads, ranges {lo.shape}")
+    seen = hi > lo
+    klo = np.where(seen, lo, np.iinfo(np.int64).max).min(axis=1)
+    khi = np.where(seen, hi, 0).max(axis=1)
+    klo = np.where(khi > 0, klo, 0)
+    span = int(max((khi - klo).max(), 0))
+    keys = np.empty((seqs, kv_heads, span, d), dtype=q.dtype)
+    values_t = np.empty((seqs, kv_heads, d, span), dtype=q.dtype)
+    _widen_spans(as_kernel_array(k_blocks), as_kernel_array(v_blocks), tables, klo, khi, keys, values_t)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    q = np.ascontiguousarray(q * q.dtype.type(scale))
+    out = np.empty_like(q)
+    tile = _tile_for(heads // kv_heads, span, num_q)
+    _prefill(q, keys, values_t, klo, lo, hi, tile, out, q.dtype.type(0))
+    return out
+
+
+def prefill_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                      scale: float | None = None) -> np.ndarray:
+    """`paged_prefill_attention` over a contiguous cache [B, H_kv, capacity, d] (one block per sequence)."""
+    batch = keys.shape[0]
+    tables = np.arange(batch, dtype=np.int64)[:, None]
+    return paged_prefill_attention(q, np.ascontiguousarray(keys), np.ascontiguousarray(values), tables, lo, hi,
+                                   scale)
