@@ -58,11 +58,12 @@ def parse_args() -> argparse.Namespace:
 
 ARGS = parse_args()
 # Thread counts must be fixed before NumPy (OpenBLAS), numba and torch start their pools. Every engine
-# gets the same OpenMP wait policy (kvlab's default, see kvlab/kernels/__init__.py).
+# gets the same OpenMP wait policy (kvlab's default, see kvlab/kernels/__init__.py), llama.cpp excepted.
 for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
     os.environ[var] = str(ARGS.threads)
-OUTSIDE_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")
+OUTSIDE_WAIT_POLICY = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 import numpy as np  # noqa: E402
 
@@ -262,9 +263,8 @@ def main() -> None:
             engines[label] = ref
     llama_cpp_note = "skipped (--no-llama-cpp)" if ARGS.no_llama_cpp else llama_cpp_peer.available()
     if not llama_cpp_note:
-        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-        if OUTSIDE_WAIT_POLICY:
-            env["OMP_WAIT_POLICY"] = OUTSIDE_WAIT_POLICY
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+        env.update(OUTSIDE_WAIT_POLICY)
         for qtype in ("F32", "F16"):
             path = OUT / f"smollm2-135m-shape-{qtype.lower()}.gguf"
             llama_cpp_peer.write_gguf(f32_dir, path, qtype)
@@ -351,7 +351,7 @@ def main() -> None:
     report = {"cpu": cpu, "threads": ARGS.threads, "load_average": load, "bandwidth_bytes_per_s": bandwidth,
               "gemm_flops_per_s": gemm_rate, "llama_cpp": llama_cpp_note,
               "compile_seconds": compiled, "rows": rows, "batches": batch_rows, "busy_neighbour": busy_rows,
-              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
               "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE")}
     (OUT / "bench_hf_decode.json").write_text(json.dumps(report, indent=2))
     plot(rows, batch_rows, title)

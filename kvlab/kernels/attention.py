@@ -118,8 +118,10 @@ _decode_parallel = njit(parallel=True, fastmath=FASTMATH, cache=True)(_decode_py
 _decode_serial = njit(fastmath=FASTMATH, cache=True)(_decode_py)
 
 
-def _decode(q, k_blocks, v_blocks, block_tables, starts, ends, span, out, zero) -> None:
-    rows = int((ends - starts).sum()) * k_blocks.shape[1]
+def _decode(q, k_blocks, v_blocks, block_tables, starts, ends, span, out, zero, rows: int | None = None) -> None:
+    """`rows`: key rows in all (sequences x KV heads x keys) when the caller knows it without NumPy calls."""
+    if rows is None:
+        rows = int((ends - starts).sum()) * k_blocks.shape[1]
     kernel = _decode_parallel if rows >= PARALLEL_MIN_ROWS else _decode_serial
     kernel(q, k_blocks, v_blocks, block_tables, starts, ends, span, out, zero)
 
@@ -163,13 +165,16 @@ def decode_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start:
     [B, H_kv, capacity, d] rows start..end-1 (read in place: pass the whole preallocated arrays).
     The contiguous layout is the paged one with one block per sequence."""
     batch = keys.shape[0]
+    if not 0 <= start < end <= keys.shape[2]:  # plain ints: this runs once per layer per decode step
+        raise ValueError(f"every sequence needs a key range 0 <= start < end <= its capacity; got start "
+                         f"{start}, end {end}, capacity {keys.shape[2]}")
     starts, ends = np.full(batch, start, dtype=np.int64), np.full(batch, end, dtype=np.int64)
-    _check_ranges(starts, ends, keys.shape[2])
     q = _scaled(q, scale)
     out = np.empty_like(q)
     tables = np.arange(batch, dtype=np.int64)[:, None]
     keys, values = np.ascontiguousarray(keys), np.ascontiguousarray(values)
-    _decode(q, as_kernel_array(keys), as_kernel_array(values), tables, starts, ends, SPAN, out, q.dtype.type(0))
+    _decode(q, as_kernel_array(keys), as_kernel_array(values), tables, starts, ends, SPAN, out, q.dtype.type(0),
+            rows=batch * keys.shape[1] * (end - start))
     return out
 
 
