@@ -290,9 +290,16 @@ def main() -> None:
                     prefill, decode = kvlab_run(engine, prompt, ARGS.steps)
                 best[name] = [min(best[name][0], prefill), min(best[name][1], decode)]
         results[str(context)] = {name: {"prefill": p, "decode": d} for name, (p, d) in best.items()}
+    llama_cpp_error = {}
+    check_ids = [int(t) for t in rng.integers(300, SHAPE["vocab_size"], size=16)]
+    want = engines["kvlab compiled f32"].forward([check_ids]).logits[0, -1]
     for name, engine in engines.items():
         if name.startswith("llama.cpp"):
+            llama_cpp_error[name] = float(np.abs(engine.last_logits(check_ids) - want).max())
             engine.close()
+    if llama_cpp_error:
+        con.print("same model in llama.cpp: max |logit difference| vs kvlab f32 after 16 tokens: "
+                  + ", ".join(f"{n} {e:.2e}" for n, e in llama_cpp_error.items()))
     batch_rows = []
     prompt = rng.integers(2, SHAPE["vocab_size"], size=(max(ARGS.batches), 128))
     for name in ("kvlab compiled f32", "kvlab compiled bf16", "kvlab numpy f32"):
@@ -349,7 +356,7 @@ def main() -> None:
         con.print(busy_table)
     OUT.mkdir(exist_ok=True)
     report = {"cpu": cpu, "threads": ARGS.threads, "load_average": load, "bandwidth_bytes_per_s": bandwidth,
-              "gemm_flops_per_s": gemm_rate, "llama_cpp": llama_cpp_note,
+              "gemm_flops_per_s": gemm_rate, "llama_cpp": llama_cpp_note, "llama_cpp_logit_error": llama_cpp_error,
               "compile_seconds": compiled, "rows": rows, "batches": batch_rows, "busy_neighbour": busy_rows,
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
               "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE")}

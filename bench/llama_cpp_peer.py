@@ -118,6 +118,13 @@ class LlamaCppWorker:
         prefill, decode = map(float, self.proc.stdout.readline().split())
         return prefill, decode
 
+    def last_logits(self, ids: list[int]) -> np.ndarray:
+        """llama.cpp's logits after a fresh prompt of `ids` (its last position): checks the GGUF holds the
+        same model, so the timings compare like with like."""
+        self.proc.stdin.write("logits " + " ".join(map(str, ids)) + "\n")
+        self.proc.stdin.flush()
+        return np.array(self.proc.stdout.readline().split(), dtype=np.float32)
+
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
@@ -131,6 +138,11 @@ def _worker(model: str, threads: int, n_ctx: int) -> None:
     print("ready", flush=True)
     rng = np.random.default_rng(0)
     for line in sys.stdin:
+        if line.startswith("logits "):
+            llm.reset()
+            llm.eval([int(t) for t in line.split()[1:]])
+            print(" ".join(f"{v:.9g}" for v in llm.scores[llm.n_tokens - 1]), flush=True)
+            continue
         context, steps = map(int, line.split())
         prompt = [int(t) for t in rng.integers(300, llm.n_vocab(), size=context)]
         llm.reset()

@@ -23,6 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 from kvlab.kernels.bits import as_kernel_array, widen
+from kvlab.kernels.fastexp import fast_exp
 
 FASTMATH = {"reassoc", "contract"}
 SPAN = 64  # keys per work item: batch 1 with 3 KV heads at 128 context still splits over both cores
@@ -36,8 +37,10 @@ def _span(q, h, group, k_blocks, v_blocks, table, block_size, lo, hi, zero, row_
     d = q.shape[1]
     n = max(hi - lo, 0)
     scores = np.empty((group, n), dtype=q.dtype)
+    # (block, row) of key lo, then stepped row by row: a division per key cost more than its dot products
+    first_block, first_row = lo // block_size, lo % block_size
+    block, row = first_block, first_row
     for t in range(n):
-        block, row = divmod(lo + t, block_size)
         key = k_blocks[table[block], h, row]
         for g in range(group):
             qg = q[h * group + g]
@@ -45,27 +48,34 @@ def _span(q, h, group, k_blocks, v_blocks, table, block_size, lo, hi, zero, row_
             for i in range(d):
                 s += qg[i] * widen(key[i])
             scores[g, t] = s
+        row += 1
+        if row == block_size:
+            block, row = block + 1, 0
     for g in range(group):
-        top = -np.inf
+        seen = scores[g]
+        top = seen[0] if n else zero
         for t in range(n):
-            top = max(top, scores[g, t])
+            top = max(top, seen[t])
         total = zero
         for t in range(n):
-            p = np.exp(scores[g, t] - top)
-            scores[g, t] = p
+            p = fast_exp(seen[t] - top)
+            seen[t] = p
             total += p
-        row_max[g] = top
+        row_max[g] = top if n else -np.inf
         row_sum[g] = total
         for i in range(d):
             acc[g, i] = zero
+    block, row = first_block, first_row
     for t in range(n):
-        block, row = divmod(lo + t, block_size)
         value = v_blocks[table[block], h, row]
         for g in range(group):
             p = scores[g, t]
             ag = acc[g]
             for i in range(d):
                 ag[i] += p * widen(value[i])
+        row += 1
+        if row == block_size:
+            block, row = block + 1, 0
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
@@ -112,18 +122,25 @@ def _decode_py(q, k_blocks, v_blocks, block_tables, starts, ends, span, out, zer
 
 
 # Below this many key rows (sequences x KV heads x keys) one thread does it all: waking the other costs
-# more than it saves (profiled: at 128 context the parallel version took a quarter of a decode step).
-PARALLEL_MIN_ROWS = 8192
+# more than it saves (profiled: at 128 context the parallel version took a quarter of a decode step with
+# sleeping OpenMP waits; with the short spin of kernels/__init__.py, 1024 context on SmolLM2-135M's shape,
+# 3072 rows, was ~10 ms a step faster in parallel).
+PARALLEL_MIN_ROWS = 2048
 _decode_parallel = njit(parallel=True, fastmath=FASTMATH, cache=True)(_decode_py)
 _decode_serial = njit(fastmath=FASTMATH, cache=True)(_decode_py)
 
 
+def decode_kernel(rows: int):
+    """The compiled kernel for a decode over `rows` key rows in all (sequences x KV heads x keys):
+    `kernel(q, k_blocks, v_blocks, block_tables, starts, ends, span, out, zero)`."""
+    return _decode_parallel if rows >= PARALLEL_MIN_ROWS else _decode_serial
+
+
 def _decode(q, k_blocks, v_blocks, block_tables, starts, ends, span, out, zero, rows: int | None = None) -> None:
-    """`rows`: key rows in all (sequences x KV heads x keys) when the caller knows it without NumPy calls."""
+    """`rows`: key rows in all when the caller knows it without NumPy calls."""
     if rows is None:
         rows = int((ends - starts).sum()) * k_blocks.shape[1]
-    kernel = _decode_parallel if rows >= PARALLEL_MIN_ROWS else _decode_serial
-    kernel(q, k_blocks, v_blocks, block_tables, starts, ends, span, out, zero)
+    decode_kernel(rows)(q, k_blocks, v_blocks, block_tables, starts, ends, span, out, zero)
 
 
 def _scaled(q: np.ndarray, scale: float | None) -> np.ndarray:

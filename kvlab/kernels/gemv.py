@@ -25,47 +25,54 @@ FASTMATH = {"reassoc", "contract"}  # vectorised sums; no assumptions about inf/
 MAX_KERNEL_ROWS = 16  # above this many rows of x, BLAS on widened weights is faster
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
-def _matvec(x, w, out, zero):
-    """out[m, n] = sum_k x[m, k] * w[n, k], accumulated in zero's type (x's dtype).
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def matvec_column(x, w, out, zero, n):
+    """out[:, n] = x @ w[n], accumulated in zero's type (x's dtype): one output column, every row of x.
 
     `zero` types the accumulators: written as a literal or `x[0] * 0`, LLVM does not vectorise the sum.
+    The parallel loops over n live in the callers (`_matvec` here, the fused decode layer).
     """
     rows, depth = x.shape
+    wn = w[n]
+    for b in range(0, rows - 7, 8):
+        x0, x1, x2, x3 = x[b], x[b + 1], x[b + 2], x[b + 3]
+        x4, x5, x6, x7 = x[b + 4], x[b + 5], x[b + 6], x[b + 7]
+        a0, a1, a2, a3, a4, a5, a6, a7 = zero, zero, zero, zero, zero, zero, zero, zero
+        for k in range(depth):
+            v = widen(wn[k])
+            a0 += x0[k] * v
+            a1 += x1[k] * v
+            a2 += x2[k] * v
+            a3 += x3[k] * v
+            a4 += x4[k] * v
+            a5 += x5[k] * v
+            a6 += x6[k] * v
+            a7 += x7[k] * v
+        out[b, n], out[b + 1, n], out[b + 2, n], out[b + 3, n] = a0, a1, a2, a3
+        out[b + 4, n], out[b + 5, n], out[b + 6, n], out[b + 7, n] = a4, a5, a6, a7
+    for b in range(rows - rows % 8, rows - 3, 4):
+        x0, x1, x2, x3 = x[b], x[b + 1], x[b + 2], x[b + 3]
+        a0, a1, a2, a3 = zero, zero, zero, zero
+        for k in range(depth):
+            v = widen(wn[k])
+            a0 += x0[k] * v
+            a1 += x1[k] * v
+            a2 += x2[k] * v
+            a3 += x3[k] * v
+        out[b, n], out[b + 1, n], out[b + 2, n], out[b + 3, n] = a0, a1, a2, a3
+    for m in range(rows - rows % 4, rows):
+        xm = x[m]
+        acc = zero
+        for k in range(depth):
+            acc += xm[k] * widen(wn[k])
+        out[m, n] = acc
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def _matvec(x, w, out, zero):
+    """out[m, n] = sum_k x[m, k] * w[n, k]: output columns over the threads."""
     for n in prange(w.shape[0]):
-        wn = w[n]
-        for b in range(0, rows - 7, 8):
-            x0, x1, x2, x3 = x[b], x[b + 1], x[b + 2], x[b + 3]
-            x4, x5, x6, x7 = x[b + 4], x[b + 5], x[b + 6], x[b + 7]
-            a0, a1, a2, a3, a4, a5, a6, a7 = zero, zero, zero, zero, zero, zero, zero, zero
-            for k in range(depth):
-                v = widen(wn[k])
-                a0 += x0[k] * v
-                a1 += x1[k] * v
-                a2 += x2[k] * v
-                a3 += x3[k] * v
-                a4 += x4[k] * v
-                a5 += x5[k] * v
-                a6 += x6[k] * v
-                a7 += x7[k] * v
-            out[b, n], out[b + 1, n], out[b + 2, n], out[b + 3, n] = a0, a1, a2, a3
-            out[b + 4, n], out[b + 5, n], out[b + 6, n], out[b + 7, n] = a4, a5, a6, a7
-        for b in range(rows - rows % 8, rows - 3, 4):
-            x0, x1, x2, x3 = x[b], x[b + 1], x[b + 2], x[b + 3]
-            a0, a1, a2, a3 = zero, zero, zero, zero
-            for k in range(depth):
-                v = widen(wn[k])
-                a0 += x0[k] * v
-                a1 += x1[k] * v
-                a2 += x2[k] * v
-                a3 += x3[k] * v
-            out[b, n], out[b + 1, n], out[b + 2, n], out[b + 3, n] = a0, a1, a2, a3
-        for m in range(rows - rows % 4, rows):
-            xm = x[m]
-            acc = zero
-            for k in range(depth):
-                acc += xm[k] * widen(wn[k])
-            out[m, n] = acc
+        matvec_column(x, w, out, zero, n)
 
 
 @njit(parallel=True, cache=True)
@@ -75,8 +82,8 @@ def _widen_matrix(w, out):
             out[n, k] = widen(w[n, k])
 
 
-@njit(fastmath=FASTMATH, cache=True)
-def _rms_norm_rows(x, weight, eps, out, zero):
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def rms_norm_rows(x, weight, eps, out, zero):
     """out = x / sqrt(mean(x^2) + eps) * weight, row by row (the sum of squares in x's dtype)."""
     rows, width = x.shape
     for m in range(rows):
@@ -88,7 +95,7 @@ def _rms_norm_rows(x, weight, eps, out, zero):
             out[m, k] = x[m, k] * scale * weight[k]
 
 
-def _swiglu_py(gate_up, out):
+def swiglu_rows(gate_up, out):
     """out = silu(gate) * up with gate, up the two halves of gate_up's last axis (as layers.swiglu),
     exp vectorised (fastexp.py)."""
     inter = out.shape[1]
@@ -101,8 +108,8 @@ def _swiglu_py(gate_up, out):
 
 # A prefill's thousands of rows go over the threads; a decode step's one row stays on the calling thread
 # (waking the other costs more than the row).
-_swiglu_parallel = njit(parallel=True, fastmath=FASTMATH, cache=True)(_swiglu_py)
-_swiglu_serial = njit(fastmath=FASTMATH, cache=True)(_swiglu_py)
+_swiglu_parallel = njit(parallel=True, fastmath=FASTMATH, cache=True)(swiglu_rows)
+_swiglu_serial = njit(fastmath=FASTMATH, cache=True, inline="always")(swiglu_rows)
 SWIGLU_PARALLEL_ROWS = 8
 
 
@@ -132,7 +139,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """RMSNorm over the last axis (the twin of layers.rms_norm), one compiled pass."""
     flat = np.ascontiguousarray(x.reshape(-1, x.shape[-1]))
     out = np.empty_like(flat)
-    _rms_norm_rows(flat, weight, x.dtype.type(eps), out, x.dtype.type(0))
+    rms_norm_rows(flat, weight, x.dtype.type(eps), out, x.dtype.type(0))
     return out.reshape(x.shape)
 
 

@@ -96,8 +96,9 @@ class LlamaModel:
         self.fast_decode = True  # one-token steps take _decode_blocks (False: the general path, to compare)
         self.set_weights(weights if weights is not None else random_weights(config, seed, self.dtype), source)
         if self.backend == "numba":
-            from kvlab.kernels import attention, gemv, prefill_attention
+            from kvlab.kernels import attention, decode_layer, gemv, prefill_attention
             self._gemv, self._attention, self._prefill = gemv, attention, prefill_attention
+            self._decode_layer = decode_layer
 
     # --- weights -----------------------------------------------------------------------------------------
     def set_weights(self, weights: Mapping[str, np.ndarray], source: str = "weights") -> None:
@@ -306,6 +307,9 @@ class LlamaModel:
         scale = x.dtype.type(1.0 / math.sqrt(head_dim))
         cos, sin = cos.reshape(2, half), sin.reshape(2, half)  # this position's rotation
         x = x.reshape(batch, hidden)  # a view: updating it updates the caller's residual stream
+        if self.backend == "numba" and (cache is None or cache.in_place):
+            self._decode_blocks_compiled(x, positions, cos, sin, cache, first_key, scale)
+            return
         for index, layer in enumerate(self.layers):
             qkv = self._qkv(x, layer).reshape(batch, qk_heads + kv_heads, 2, half)
             qk = qkv[:, :qk_heads]
@@ -313,16 +317,6 @@ class LlamaModel:
             rotated += qk[:, :, ::-1] * sin  # rotate_halves: [x1, x2] -> [x1 c - x2 s, x2 c + x1 s]
             k = rotated[:, heads:].reshape(batch, kv_heads, 1, head_dim)
             v = qkv[:, qk_heads:].reshape(batch, kv_heads, 1, head_dim)
-            if self.backend == "numba" and (cache is None or cache.in_place):
-                # the compiled kernel reads the cache where it lies, any float dtype
-                end = 1
-                if cache is not None:
-                    k, v = cache.append(index, k, v, positions)
-                    end = cache.get_seq_length() + 1
-                q = rotated[:, :heads].reshape(batch, heads, head_dim)
-                attn = self._attention.decode_attention(q, k, v, first_key, end, scale)
-                self._finish_block(x, layer, attn.reshape(batch, heads * head_dim))
-                continue
             if cache is not None:
                 k, v, _ = cache.update(index, k, v, positions)
                 if first_key:
@@ -336,6 +330,47 @@ class LlamaModel:
             attn = weights @ v  # [B, H_kv, G, d], unnormalised
             attn /= np.add.reduce(weights, axis=-1, keepdims=True)
             self._finish_block(x, layer, attn.reshape(batch, heads * head_dim))
+
+    def _decode_blocks_compiled(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                                cache: KVCache | None, first_key: int, scale: np.floating) -> None:
+        """`_decode_blocks` on the compiled backend: three kernel calls per block (kernels/decode_layer.py)
+        around the cache write, attention reading the cache where it lies (any float dtype)."""
+        config = self.config
+        batch = x.shape[0]
+        heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        qk_heads = heads + kv_heads
+        zero, eps = x.dtype.type(0), x.dtype.type(config.rms_norm_eps)
+        layer_kernels, attention = self._decode_layer, self._attention
+        end = 1 if cache is None else cache.get_seq_length() + 1
+        starts, ends = np.full(batch, first_key, dtype=np.int64), np.full(batch, end, dtype=np.int64)
+        tables = np.arange(batch, dtype=np.int64)[:, None]  # a contiguous cache: one block per sequence
+        attend = attention.decode_kernel(batch * kv_heads * (end - first_key))
+        qkv = np.empty((batch, (qk_heads + kv_heads) * head_dim), dtype=x.dtype)
+        attn = np.empty((batch, heads, head_dim), dtype=x.dtype)
+        for index, (layer, w) in enumerate(zip(self.layers, self._kernel_weights)):
+            layer_kernels.qkv_rope(x, layer.input_norm, eps, w["qkv"], w["b_qkv"], cos, sin, qk_heads, qkv, zero)
+            k = qkv[:, heads * head_dim:qk_heads * head_dim].reshape(batch, kv_heads, 1, head_dim)
+            v = qkv[:, qk_heads * head_dim:].reshape(batch, kv_heads, 1, head_dim)
+            if cache is not None:
+                k, v = cache.append(index, k, v, positions)  # rounded to the cache dtype, as on every path
+            q = qkv[:, :heads * head_dim].reshape(batch, heads, head_dim) * scale
+            attend(q, self._gemv.as_kernel_array(k), self._gemv.as_kernel_array(v), tables, starts, ends,
+                   attention.SPAN, attn, zero)
+            layer_kernels.output_mlp(x, attn.reshape(batch, heads * head_dim), w["o"], w["b_o"], layer.post_norm,
+                                     eps, w["gate_up"], w["down"], zero)
+
+    @property
+    def _kernel_weights(self) -> list[dict[str, np.ndarray]]:
+        """Per layer, the views the compiled kernels take (half-precision as raw bits; an absent bias as an
+        empty array), made once per set of weights."""
+        if getattr(self, "_kernel_views", None) is None or self._kernel_views[0] is not self.layers:
+            as_kernel_array, empty = self._gemv.as_kernel_array, np.zeros(0, dtype=self.dtype)
+            views = [{"qkv": as_kernel_array(layer.w_qkv), "o": as_kernel_array(layer.w_o),
+                      "gate_up": as_kernel_array(layer.w_gate_up), "down": as_kernel_array(layer.w_down),
+                      "b_qkv": empty if layer.b_qkv is None else layer.b_qkv,
+                      "b_o": empty if layer.b_o is None else layer.b_o} for layer in self.layers]
+            self._kernel_views = (self.layers, views)
+        return self._kernel_views[1]
 
     # --- the products: NumPy reference or compiled kernels -----------------------------------------------
     def _linear(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
