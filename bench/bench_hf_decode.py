@@ -27,8 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import importlib.metadata
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,6 +64,7 @@ for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA
 OUTSIDE_WAIT_POLICY = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "12")  # kvlab's own default (kvlab/__init__.py), before NumPy
 
 import numpy as np  # noqa: E402
 
@@ -359,7 +360,8 @@ def main() -> None:
               "gemm_flops_per_s": gemm_rate, "llama_cpp": llama_cpp_note, "llama_cpp_logit_error": llama_cpp_error,
               "compile_seconds": compiled, "rows": rows, "batches": batch_rows, "busy_neighbour": busy_rows,
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
-              "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE")}
+              "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
+              "openblas_thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT")}
     (OUT / "bench_hf_decode.json").write_text(json.dumps(report, indent=2))
     plot(rows, batch_rows, title)
 
