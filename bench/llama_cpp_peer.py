@@ -141,7 +141,9 @@ def _worker(model: str, threads: int, n_ctx: int) -> None:
         if line.startswith("logits "):
             llm.reset()
             llm.eval([int(t) for t in line.split()[1:]])
-            print(" ".join(f"{v:.9g}" for v in llm.scores[llm.n_tokens - 1]), flush=True)
+            # without logits_all, llama-cpp-python 0.3 keeps no scores: read the context's one output row
+            logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+            print(" ".join(f"{v:.9g}" for v in logits), flush=True)
             continue
         context, steps = map(int, line.split())
         prompt = [int(t) for t in rng.integers(300, llm.n_vocab(), size=context)]
