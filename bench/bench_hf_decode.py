@@ -13,7 +13,7 @@ and loaded by every engine. Side by side, alternating engines round by round so 
   * prefill against the compute roofline: the model's multiply-adds over the float32 GEMM rate NumPy's
     BLAS reaches in the same round (a 2048x2048 product), since a prefill is bound by arithmetic.
 
-llama.cpp runs when llama-cpp-python imports (`pip install llama-cpp-python`: PyPI has only the source
+llama.cpp runs when llama-cpp-python imports (`pip install -e ".[bench]"`: PyPI has only the source
 here, which builds in ~15 minutes on two cores): the same weights written by the `gguf` package as F32
 and F16 files (Q/K rows permuted as llama.cpp's converter does, a placeholder vocabulary), driven from a
 worker process (its OpenMP runtime stays apart from numba's) with the same thread count, alternating
