@@ -309,7 +309,11 @@ def test_compiled_backend_equals_numpy_backend(name, batch, prefill, weights, kv
     ids = np.random.default_rng(seed).integers(0, 97, size=(batch, prefill + 6))
     got = run_schedule(compiled, ids, prefill, kv_dtype)
     want = run_schedule(reference, ids, prefill, kv_dtype)
-    assert np.abs(got - want).max() <= 1e-4 * scale_of(want)
+    # A half-precision cache rounds each new K/V value: a float32-level difference upstream (another
+    # summation order) can tip a rounding by one unit of the cache's precision, 2^-8 for bfloat16, and that
+    # step then reaches the logits. Measured worst: 1.2e-4 x scale (bfloat16 cache, float16 weights).
+    cache_eps = 0.0 if kv_dtype is None else float(ml_dtypes.finfo(as_dtype(kv_dtype)).eps)
+    assert np.abs(got - want).max() <= max(1e-4, cache_eps / 4) * scale_of(want)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

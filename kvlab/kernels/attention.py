@@ -30,13 +30,14 @@ SPAN = 64  # keys per work item: batch 1 with 3 KV heads at 128 context still sp
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
-def _span(q, h, group, k_blocks, v_blocks, table, block_size, lo, hi, zero, row_max, row_sum, acc):
+def _span(q, h, group, k_blocks, v_blocks, table, block_size, lo, hi, zero, row_max, row_sum, acc, scores):
     """Keys lo..hi-1 of one sequence (through its block `table`) against the group of query heads of KV
     head h (rows h*group.. of q [H_q, d], pre-scaled): this span's per-head max, exp-sum, and
-    unnormalised value sum acc [group, d]. An empty span gives max -inf, sum 0, acc 0."""
+    unnormalised value sum acc [group, d]. An empty span gives max -inf, sum 0, acc 0. `scores` [group,
+    >= hi - lo] is scratch from the caller: an allocation inside a parallel loop serialised the threads
+    (measured: 2 threads took as long as 1 at 4096 keys; with the scratch hoisted, 1.9x faster)."""
     d = q.shape[1]
     n = max(hi - lo, 0)
-    scores = np.empty((group, n), dtype=q.dtype)
     # (block, row) of key lo, then stepped row by row: a division per key cost more than its dot products
     first_block, first_row = lo // block_size, lo % block_size
     block, row = first_block, first_row
@@ -110,12 +111,13 @@ def _decode_py(q, k_blocks, v_blocks, block_tables, starts, ends, span, out, zer
     row_max = np.empty((seqs, kv_heads, spans, group), dtype=q.dtype)
     row_sum = np.empty_like(row_max)
     acc = np.empty((seqs, kv_heads, spans, group, d), dtype=q.dtype)
+    scores = np.empty((seqs, kv_heads, spans, group, span), dtype=q.dtype)
     for item in prange(seqs * kv_heads * spans):
         s, rest = divmod(np.int64(item), kv_heads * spans)  # prange indices are unsigned: keep ints signed
         h, c = divmod(rest, spans)
         lo = starts[s] + c * span
         _span(q[s], h, group, k_blocks, v_blocks, block_tables[s], block_size, lo, min(lo + span, ends[s]),
-              zero, row_max[s, h, c], row_sum[s, h, c], acc[s, h, c])
+              zero, row_max[s, h, c], row_sum[s, h, c], acc[s, h, c], scores[s, h, c])
     for item in prange(seqs * kv_heads):
         s, h = divmod(np.int64(item), kv_heads)
         _combine(row_max[s, h], row_sum[s, h], acc[s, h], zero, out[s, h * group:(h + 1) * group])
