@@ -24,8 +24,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from kvlab.kernels.fastexp import fast_exp
-from kvlab.kernels.gemv import FASTMATH, matvec_column, rms_norm_rows
+from kvlab.kernels.gemv import FASTMATH, matvec_column, rms_norm_rows, silu_times_up
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
@@ -70,10 +69,7 @@ def output_mlp(x, attn, w_o, b_o, norm, eps, w_gate_up, w_down, zero):
         matvec_column(xn, w_gate_up, gate_up, zero, n)
     act = np.empty((batch, inter), dtype=x.dtype)
     for b in range(batch):
-        gate, up, row = gate_up[b, :inter], gate_up[b, inter:], act[b]
-        for k in range(inter):
-            g = gate[k]
-            row[k] = g / (1 + fast_exp(-g)) * up[k]
+        silu_times_up(gate_up[b], act[b], inter)
     down = np.empty((batch, hidden), dtype=x.dtype)
     for n in prange(hidden):
         matvec_column(act, w_down, down, zero, n)

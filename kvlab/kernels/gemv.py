@@ -97,13 +97,20 @@ def rms_norm_rows(x, weight, eps, out, zero):
 
 def swiglu_rows(gate_up, out):
     """out = silu(gate) * up with gate, up the two halves of gate_up's last axis (as layers.swiglu),
-    exp vectorised (fastexp.py)."""
+    exp vectorised (fastexp.py). Two passes per row: exp(-gate) into out, then the rest. Written as one
+    expression in one loop, LLVM did not vectorise it (2.9x slower, measured)."""
     inter = out.shape[1]
     for m in prange(out.shape[0]):
-        gate, up, row = gate_up[m, :inter], gate_up[m, inter:], out[m]
-        for k in range(inter):
-            g = gate[k]
-            row[k] = g / (1 + fast_exp(-g)) * up[k]
+        silu_times_up(gate_up[m], out[m], inter)
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def silu_times_up(gate_up, out, inter):
+    """out[k] = silu(gate_up[k]) * gate_up[inter + k] for one row."""
+    for k in range(inter):
+        out[k] = fast_exp(-gate_up[k])
+    for k in range(inter):
+        out[k] = gate_up[k] / (1 + out[k]) * gate_up[inter + k]
 
 
 # A prefill's thousands of rows go over the threads; a decode step's one row stays on the calling thread
