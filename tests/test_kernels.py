@@ -395,3 +395,19 @@ def test_load_weights_dtype_choices():
     assert 0 < err < 0.5  # rounding the weights is a real (small) change: measured, not assumed zero
     with pytest.raises(ConfigError, match="weights_dtype must be"):
         kvlab.load(weights_dtype="int8")
+
+
+def test_warm_up_compiles_before_timing_and_changes_nothing():
+    """`warm_up` runs a throwaway prefill and decode (the first run's compile lands there, reported on the
+    stats line, not in the prefill figure); the model's outputs are the same after it."""
+    from kvlab.cli.generate import GenerationStats
+
+    model, _ = model_pair({}, np.float32)
+    ids = np.array([[5, 9, 2, 7]])
+    before = model.forward(ids).logits
+    assert model.warm_up() >= 0.0 and model.warm_up("bfloat16") >= 0.0
+    np.testing.assert_array_equal(model.forward(ids).logits, before)
+    stats = GenerationStats(3, 3, 0.01, 5, 0.02, 8, 64, "float32", "max tokens", compile_seconds=47.9)
+    assert stats.line().endswith("| kernels compiled 47.9 s (first run; cached on disk)")
+    stats.compile_seconds = 0.4  # a warm start: nothing to report
+    assert "kernels" not in stats.line()

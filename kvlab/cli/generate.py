@@ -75,6 +75,7 @@ class GenerationStats:
     cache_bytes: int
     cache_dtype: str
     stop_reason: str
+    compile_seconds: float = 0.0  # the compiled kernels' warm-up before the timed prefill (see line())
 
     def line(self) -> str:
         reused = self.prompt_tokens - self.computed_prompt_tokens
@@ -86,7 +87,9 @@ class GenerationStats:
         return (f"prompt {self.prompt_tokens} tokens" + (f" ({reused} cached)" if reused else "")
                 + f" | prefill {1e3 * self.prefill_seconds:.1f} ms ({prefill_rate:.0f} tok/s) | {decode} | "
                 f"cache {self.cache_tokens} tokens, {human_bytes(self.cache_bytes)} {self.cache_dtype} | "
-                f"stop: {self.stop_reason}")
+                f"stop: {self.stop_reason}"
+                + (f" | kernels compiled {self.compile_seconds:.1f} s (first run; cached on disk)"
+                   if self.compile_seconds >= 1.0 else ""))
 
 
 class TextStream:
@@ -237,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
     context = model.config.max_position_embeddings
     capacity = min(context, len(prompt) + (max_tokens or context), policy.budget if policy else context)
     cache = model.new_cache(1, kv_dtype=args.kv_dtype, capacity=capacity)
+    compile_seconds = model.warm_up(args.kv_dtype)  # so the prefill figure is the prefill's own
     stream = TextStream(tokenizer, prompt, sys.stdout, stop)
     if not (args.chat or args.no_display_prompt):
         stream.write_prompt(text)
@@ -260,6 +264,8 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         computed, reason = len(prompt), "interrupted"
     stream.finish()
-    print(stream.stats(len(prompt), computed, cache, reason).line() + f" | sampling: {resolved.summary()}",
+    stats = stream.stats(len(prompt), computed, cache, reason)
+    stats.compile_seconds = compile_seconds
+    print(stats.line() + f" | sampling: {resolved.summary()}",
           file=sys.stderr, flush=True)
     return 130 if reason == "interrupted" else 0
