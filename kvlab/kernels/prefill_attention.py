@@ -13,8 +13,8 @@ sliding window and a chunked prefill's cache all give ranges; `key_ranges` deriv
 mask and says None when some row's visible keys are not one run, for the NumPy path to take). Keys are
 addressed through block tables like the decode kernel (attention.py), so a contiguous cache
 [B, H_kv, capacity, d] is the one-block-per-sequence case and a paged pool is read in place; either may be
-float32, float16 or bfloat16 (widened once per item into a float32 copy of the span, K row-major and V
-transposed, so that both products are long contiguous dot products that LLVM vectorises).
+float32, float16 or bfloat16 (widened once per call into a float32 copy of each head's visible span, K
+row-major and V transposed, so that both products are long contiguous dot products that LLVM vectorises).
 """
 
 from __future__ import annotations
