@@ -331,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
     if args.verbose:
         chat.note(sampling.describe())
     if seed_drawn:
-        chat.note(f"({drawn_seed_note(args.seed)})")
+        chat.note(drawn_seed_note(args.seed))
     for line in input_lines(sys.stdin, args.history):
         if not chat.handle(line):
             break
