@@ -89,6 +89,11 @@ def _int_range(low: int | None, high: int | None) -> str:
     return "an int" + (f" >= {low}" if low is not None else "") + (f" <= {high}" if high is not None else "")
 
 
+def positive_int(value: Any, name: str, error: type[KVLabError] = InputError) -> int:
+    """`value` as a Python int >= 1 (sizes and counts: blocks, layers, tokens per step); bools refused."""
+    return int_in_range(value, name, 1, None, error)
+
+
 def optional_int(value: Any, name: str, low: int | None = None, high: int | None = None,
                  error: type[KVLabError] = InputError) -> int | None:
     return None if value is None else int_in_range(value, name, low, high, error)

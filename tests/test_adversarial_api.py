@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import kvlab
 from adversarial import TALLY, cache_state, refuses, tree_state
 from kvlab import validate
-from kvlab.engine.sampling import SamplingParams
+from kvlab.sampling.sampler import SamplingParams
 from kvlab.errors import InputError
 from kvlab.model.weights import random_weights
 from kvlab.perplexity import perplexity

@@ -15,7 +15,7 @@ import pytest
 from kvlab import ByteTokenizer, Session, TinyLlama
 from kvlab.cli import build_parser
 from kvlab.cli.chat import Chat
-from kvlab.prefix.conversation import Conversation
+from kvlab.sessions.conversation import Conversation
 
 STATS = re.compile(r"\[reused (\d+) · computed (\d+) · cache (\d+) tok .+ · "
                    r"prefill [\d.]+ ms · decode .+\]")

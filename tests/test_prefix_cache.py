@@ -21,8 +21,7 @@ def make_cache(num_blocks=16, block_size=4):
 def compute(pool, cache, tokens):
     """What the engine does after computing all of `tokens` for one request: allocate, register."""
     table = pool.allocate(pool.blocks_for(len(tokens)))
-    keys: list[bytes] = []
-    cache.insert(table, tokens, keys, ROOT, len(tokens))
+    keys = cache.insert(table, tokens, ROOT, len(tokens)).keys
     return table, keys
 
 
@@ -48,7 +47,7 @@ def test_match_returns_full_blocks_of_the_longest_cached_prefix():
     pool, cache = make_cache()
     tokens = list(range(10))  # two full blocks + 2 tokens
     table, keys = compute(pool, cache, tokens)
-    assert len(keys) == 2 and pool.num_cached_blocks == 2
+    assert len(keys) == 2 and cache.num_cached_blocks == 2
     blocks, hit_keys = cache.match(tokens[:8] + [99, 98, 97, 96], ROOT)
     assert blocks == table[:2] and hit_keys == keys
     assert cache.match([0, 1, 2, 3, 9, 9, 9, 9], ROOT)[0] == table[:1]
@@ -60,7 +59,7 @@ def test_a_hit_is_verified_token_by_token():
     pool, cache = make_cache()
     table, keys = compute(pool, cache, [1, 2, 3, 4])
     # Forge a collision: the key of [5, 6, 7, 8] pointing at the block that holds [1, 2, 3, 4].
-    pool._cached[block_key(ROOT, [5, 6, 7, 8])] = table[0]
+    cache._cached[block_key(ROOT, [5, 6, 7, 8])] = table[0]
     assert cache.match([5, 6, 7, 8], ROOT) == ([], [])
 
 
@@ -68,16 +67,15 @@ def test_disabled_cache_neither_matches_nor_registers():
     pool = BlockPool(1, 1, 2, np.float64, 4, 8)
     cache = PrefixCache(pool, enabled=False)
     table = pool.allocate(2)
-    keys: list[bytes] = []
-    cache.insert(table, list(range(8)), keys, ROOT, 8)
-    assert keys == [] and pool.num_cached_blocks == 0 and cache.match(list(range(8)), ROOT) == ([], [])
+    keys = cache.insert(table, list(range(8)), ROOT, 8).keys
+    assert keys == [] and cache.num_cached_blocks == 0 and cache.match(list(range(8)), ROOT) == ([], [])
 
 
 def test_duplicate_content_keeps_the_first_block():
     pool, cache = make_cache()
     first, _ = compute(pool, cache, [1, 2, 3, 4])
     second, keys = compute(pool, cache, [1, 2, 3, 4])
-    assert len(keys) == 1 and pool.lookup(keys[0]) == first[0]
+    assert len(keys) == 1 and cache.lookup(keys[0]) == first[0]
     pool.release(second)
     assert pool.num_evictable_blocks == 0  # the duplicate was freed, not cached
     pool.release(first)
@@ -100,4 +98,25 @@ def test_match_equals_longest_common_block_prefix(prompts):
         assert len(blocks) * 4 == expected
         compute(pool, cache, tokens)
         seen.append(tokens)
+    pool.check_invariants()
+
+
+def test_cached_blocks_are_evictable_lru_and_count_as_free():
+    pool = BlockPool(num_layers=2, num_kv_heads=2, head_dim=4, dtype=np.float64, block_size=4, num_blocks=3)
+    cache = PrefixCache(pool)  # moved from test_block_pool: the registry and LRU are the prefix cache's
+    blocks = pool.allocate(3)
+    for i, b in enumerate(blocks):
+        assert cache.register(b, bytes([i]) * 32, None, [i] * 4)
+    assert not cache.register(blocks[0], b"\x01" * 32, None, [1] * 4)  # key taken: nothing changes
+    pool.release(blocks)  # tail first: blocks[2] is the least recently used
+    assert pool.num_free_blocks == 3 and pool.num_evictable_blocks == 3
+    pool.check_invariants()
+    assert cache.lookup(b"\x00" * 32) == blocks[0]
+    pool.acquire([blocks[0]])  # a hit takes it out of the LRU
+    assert pool.num_free_blocks == 2
+    [new] = pool.allocate(1)
+    assert new == blocks[2] and cache.lookup(b"\x02" * 32) is None  # evicted, forgotten
+    pool.check_invariants()
+    pool.release([new, blocks[0]])
+    assert cache.evict_all() == 2 and cache.num_cached_blocks == 0
     pool.check_invariants()

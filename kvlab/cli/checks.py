@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvlab.engine.sampling import SamplingParams
+from kvlab.sampling.sampler import SamplingParams
 
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "seed")
 

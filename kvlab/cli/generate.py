@@ -18,10 +18,10 @@ from kvlab.cache.kv_cache import KV_CACHE_DTYPES, KVCache
 from kvlab.cli.checks import check_sampling_flags
 from kvlab.cli.fmt import human_bytes, read_stdin
 from kvlab.cli.sampling_flags import add_sampling_flags, sampling_settings
-from kvlab.engine.generate import stream_generate
+from kvlab.generation.generate import stream_generate
 from kvlab.errors import ContextLengthError, InputError
 from kvlab.model.llama import LlamaModel
-from kvlab.prefix.prompt_cache import generate_with_prompt_cache
+from kvlab.sessions.prompt_cache import generate_with_prompt_cache
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -225,7 +225,7 @@ def stop_token_ids(model: LlamaModel, tokenizer: Any) -> list[int]:
 
 # --- the command --------------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
-    from kvlab.hf.loader import load
+    from kvlab.loader import load
 
     text = args.prompt if args.prompt is not None else read_stdin()
     if args.max_tokens == 0 or args.max_tokens < -1:

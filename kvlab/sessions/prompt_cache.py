@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 
 from kvlab import validate
 from kvlab.model.llama import LlamaModel
-from kvlab.prefix.session import Session, Turn
+from kvlab.sessions.session import Session, Turn
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import numpy as np
 
 from kvlab.cache.paged import BlockPool
 from kvlab.engine.engine import Engine
-from kvlab.engine.sampling import SamplingParams
+from kvlab.sampling.sampler import SamplingParams
 from kvlab.model.batch import BatchInput, forward_batch
 from kvlab.model.llama import LlamaModel
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from kvlab import validate
 from kvlab.cache.kv_cache import KVCache, resolve_kv_dtype
-from kvlab.engine.sampling import Sampler, SamplingParams
+from kvlab.sampling.sampler import Sampler, SamplingParams
 from kvlab.errors import ContextLengthError, InputError
 from kvlab.model.llama import LlamaModel, validate_ids
 from kvlab.policies.apply import check_policy, forward_with_policy

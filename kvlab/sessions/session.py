@@ -25,11 +25,11 @@ from kvlab import validate
 from kvlab.cache.contiguous import MIN_CAPACITY
 from kvlab.cache.kv_cache import KVCache
 from kvlab.cache.memory import MemoryReport
-from kvlab.engine.sampling import Sampler, SamplingParams
+from kvlab.sampling.sampler import Sampler, SamplingParams
 from kvlab.errors import CheckpointError, ContextLengthError, InputError
 from kvlab.model.llama import LlamaModel, validate_ids
-from kvlab.prefix.match import common_prefix_length
-from kvlab.prefix.persist import read_session_file, write_session_file
+from kvlab.sessions.match import common_prefix_length
+from kvlab.sessions.persist import read_session_file, write_session_file
 
 
 @dataclass(frozen=True)
