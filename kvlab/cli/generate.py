@@ -173,17 +173,11 @@ def generate_tokens(model: LlamaModel, prompt_ids: Sequence[int], on_token: Call
     if policy is not None:  # evictions make room: no end of context
         room = sys.maxsize if max_tokens is None or max_tokens < 0 else max_tokens
     limit = room if max_tokens is None or max_tokens < 0 else min(max_tokens, room)
-    stop = set(int(t) for t in stop_token_ids)
-    count, last = 0, None
-    for step in stream_generate(model, [prompt[cached:]], limit, cache=cache, stop_token_ids=stop,
-                                policy=policy, **sampling):
-        last = int(step[0])
-        count += 1
-        on_token(last)
-    if last is not None and last in stop:
-        return len(prompt) - cached, "eos"
-    full = limit == room and count == limit and policy is None
-    return len(prompt) - cached, ("context full" if full else "max tokens")
+    loop = stream_generate(model, [prompt[cached:]], limit, cache=cache, stop_token_ids=stop_token_ids,
+                           policy=policy, **sampling)
+    for step in loop:
+        on_token(int(step[0]))
+    return len(prompt) - cached, loop.reason.value
 
 
 def encode_prompt(tokenizer: Any, text: str, chat: bool) -> list[int]:

@@ -9,6 +9,7 @@ four times and drifted; now a fix lands everywhere.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from enum import Enum
 from typing import Any, Callable, Container, Iterable, Iterator
 
@@ -48,8 +49,8 @@ def stop_reason(token: int, num_new: int, stop_ids: Container[int], max_tokens: 
     return None
 
 
-class DecodeLoop:
-    """An iterator over each step's tokens; `reason` says why it ended once it has.
+class DecodeLoop(Generator):
+    """A generator of each step's tokens; `reason` says why it ended once it has.
 
     `step(None)` runs the prefill (or returns logits already known) and `step(tokens [B, 1])` one decode
     step; both return the last position's logits [B, vocab]. `sample` maps logits to ids [B]. A row that
@@ -76,11 +77,14 @@ class DecodeLoop:
         self.reason: StopReason | None = None
         self._steps = self._run()
 
-    def __iter__(self) -> "DecodeLoop":
-        return self
+    def send(self, value: Any) -> Any:
+        return self._steps.send(value)
 
-    def __next__(self) -> Any:
-        return next(self._steps)
+    def throw(self, *args: Any) -> Any:
+        return self._steps.throw(*args)
+
+    def close(self) -> None:
+        self._steps.close()
 
     def _run(self) -> Iterator[Any]:
         if self.max_new_tokens == 0:

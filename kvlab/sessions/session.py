@@ -27,6 +27,7 @@ from kvlab.cache.kv_cache import KVCache
 from kvlab.cache.memory import MemoryReport
 from kvlab.sampling.sampler import Sampler, SamplingParams
 from kvlab.errors import CheckpointError, ContextLengthError, InputError
+from kvlab.generation.loop import DecodeLoop
 from kvlab.model.llama import LlamaModel, validate_ids
 from kvlab.sessions.match import common_prefix_length
 from kvlab.sessions.persist import read_session_file, write_session_file
@@ -151,17 +152,15 @@ class Session:
         sampler = Sampler(SamplingParams(temperature, top_k, top_p, min_p, seed))
         self.cache.check_compatible(self.model.cache_spec, 1)
         stop = frozenset(validate.token_ids(stop_token_ids, "stop_token_ids", self.model.config.vocab_size))
-        return self._steps(int(max_new_tokens), sampler, stop)
+        return DecodeLoop(self._step, sampler, int(max_new_tokens), stop, room=room, feed_back=True, single=True)
 
-    def _steps(self, max_new_tokens: int, sampler: Sampler, stop: frozenset[int]) -> Iterator[int]:
-        for _ in range(max_new_tokens):
-            if self._logits is None:  # restored or interrupted: the last token's logits need a forward
-                self._extend(len(self._tokens) - 1, self._tokens[-1:])
-            token = int(sampler(self._logits[None])[0])
-            self._extend(len(self._tokens), [token])
-            yield token
-            if token in stop:
-                return
+    def _step(self, tokens: np.ndarray | None) -> np.ndarray:
+        """The decode loop's step: the logits after the last token (tokens None), or after feeding `tokens`."""
+        if tokens is not None:
+            self._extend(len(self._tokens), [int(tokens[0, 0])])
+        elif self._logits is None:  # restored or interrupted: the last token's logits need a forward
+            self._extend(len(self._tokens) - 1, self._tokens[-1:])
+        return self._logits[None]
 
     def generate(self, max_new_tokens: int | None = None, **sampling: Any) -> list[int]:
         """The new token ids as a list; see `stream`."""
