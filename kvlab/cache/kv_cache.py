@@ -157,7 +157,7 @@ class KVCache:
     # --- editing -----------------------------------------------------------------------------------------
     def crop(self, max_length: int) -> None:
         """Keep the first `max_length` positions (negative: drop that many from the end), as HF's crop."""
-        if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)):
+        if not validate.is_int(max_length):
             raise InputError(f"crop length must be an int, got {max_length!r}")
         n = int(max_length)
         if n < 0:

@@ -28,7 +28,7 @@ from kvlab.cache.memory import MemoryReport
 from kvlab.sampling.sampler import Sampler, SamplingParams
 from kvlab.errors import CheckpointError, ContextLengthError, InputError
 from kvlab.generation.loop import DecodeLoop
-from kvlab.model.llama import LlamaModel, validate_ids
+from kvlab.model.llama import LlamaModel
 from kvlab.sessions.match import common_prefix_length
 from kvlab.sessions.persist import read_session_file, write_session_file
 
@@ -99,11 +99,11 @@ class Session:
             raise InputError(f"a session holds one sequence: give 1-D token ids, got shape {array.shape}")
         if array.size == 0:
             raise InputError("the token sequence is empty: a turn needs at least one token")
-        validate_ids(array[None], self.model.config.vocab_size)
+        tokens = validate.token_ids(array, "token ids", self.model.config.vocab_size, allow_single=False)
         if array.size > self.context_length:
             raise ContextLengthError(f"{array.size} tokens exceed the model's context of "
                                      f"{self.context_length} tokens (max_position_embeddings)")
-        return array.astype(np.int64).tolist()
+        return tokens
 
     def feed(self, token_ids: Any) -> Turn:
         """Bring the session to the full conversation `token_ids`, computing only what is not cached."""
