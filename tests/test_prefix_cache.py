@@ -120,3 +120,70 @@ def test_cached_blocks_are_evictable_lru_and_count_as_free():
     pool.release([new, blocks[0]])
     assert cache.evict_all() == 2 and cache.num_cached_blocks == 0
     pool.check_invariants()
+
+
+def test_insert_returns_new_keys_and_what_was_already_there():
+    pool, cache = make_cache()
+    tokens = list(range(12))
+    first = pool.allocate(3)
+    done = cache.insert(first, tokens, ROOT, 8)  # two of three blocks computed
+    assert len(done.keys) == 2 and done.existing == 0
+    more = cache.insert(first, tokens, ROOT, 12, done.keys)  # only the third is new; the caller's list is kept
+    assert len(more.keys) == 1 and len(done.keys) == 2 and more.existing == 0
+    assert cache.insert(first, tokens, ROOT, 12, done.keys + more.keys) == ([], 0)  # nothing new
+    second = pool.allocate(3)
+    again = cache.insert(second, tokens, ROOT, 12)
+    assert again.keys == done.keys + more.keys and again.existing == 3  # the same content: already there
+    assert (cache.evictable_size, cache.protected_size) == (0, 3)
+    pool.release(first)
+    assert (cache.evictable_size, cache.protected_size) == (3, 0)
+    pool.release(second)
+    assert pool.num_free_blocks == pool.num_blocks
+    pool.check_invariants()
+
+
+class Recorder:
+    """A listener that records the hooks and, on a miss, supplies the missing block from a second copy."""
+
+    def __init__(self, pool, tokens):
+        self.pool, self.tokens, self.events = pool, tokens, []
+
+    def block_stored(self, block, info):
+        self.events.append(("stored", block, info.token_ids))
+
+    def block_removed(self, info):
+        self.events.append(("removed", info.token_ids))
+
+    def prefix_miss(self, cache, token_ids, parent, start):
+        self.events.append(("miss", start))
+        chunk = list(token_ids[start:start + 4])
+        if chunk == self.tokens[start:start + 4]:
+            [block] = self.pool.allocate(1)  # a shared tier would write the block's K/V here
+            cache.register(block, block_key(parent, chunk), parent, chunk)
+            self.pool.release([block])
+
+
+def test_listener_hooks_see_stores_evictions_and_fill_a_local_miss():
+    pool, cache = make_cache(num_blocks=4)
+    tokens = list(range(8))
+    listener = Recorder(pool, tokens)
+    cache.listeners.append(listener)
+    table, keys = compute(pool, cache, tokens[:4])
+    assert listener.events == [("stored", table[0], tuple(tokens[:4]))]
+    pool.release(table)
+    blocks, hit_keys = cache.match(tokens, ROOT)  # the local cache holds block 0; the tier supplies block 1
+    assert len(blocks) == 2 and blocks[0] == table[0] and hit_keys[0] == keys[0]
+    assert ("miss", 4) in listener.events
+    assert cache.match([9] * 8, ROOT) == ([], [])  # a miss the tier cannot fill stays a miss
+    cache.evict_all()
+    assert [e for e in listener.events if e[0] == "removed"] == [("removed", tuple(tokens[:4])),
+                                                                  ("removed", tuple(tokens[4:]))]
+    pool.check_invariants()
+
+
+def test_a_disabled_cache_leaves_the_pool_without_an_evictor():
+    pool = BlockPool(1, 1, 2, np.float64, 4, 8)
+    PrefixCache(pool, enabled=False)
+    table = pool.allocate(2)
+    pool.release(table)
+    assert pool.evictor is None and pool.num_evictable_blocks == 0 and pool.num_free_blocks == 8

@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TextIO
 
-from kvlab.cache.kv_cache import KV_CACHE_DTYPES, KVCache
+from kvlab.cache.dtypes import KV_CACHE_DTYPES
+from kvlab.cache.kv_cache import KVCache
 from kvlab.cli.checks import check_sampling_flags
 from kvlab.cli.fmt import human_bytes, read_stdin
 from kvlab.cli.sampling_flags import add_sampling_flags, sampling_settings
