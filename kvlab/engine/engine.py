@@ -18,8 +18,8 @@ import numpy as np
 from kvlab import validate
 from kvlab.cache.paged import BlockPool
 from kvlab.engine.config import DEFAULT_MAX_KV_BYTES, EngineConfig  # noqa: F401 (DEFAULT_MAX_KV_BYTES: API)
-from kvlab.engine.introspection import cache_state, engine_stats
-from kvlab.engine.model_runner import ModelRunner, StepCounters
+from kvlab.engine.introspection import StepCounters, cache_state, engine_stats
+from kvlab.engine.model_runner import ModelRunner
 from kvlab.engine.request import Request, RequestOutput
 from kvlab.engine.scheduler import Scheduler
 from kvlab.errors import ContextLengthError, InputError

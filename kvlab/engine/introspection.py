@@ -1,17 +1,29 @@
 """What an engine can tell about itself: counters for /metrics and a picture of its pool for the explorer.
 
-Read-only: nothing here changes the engine, so the server may call it between steps from its loop thread.
+The runner and the scheduler add to StepCounters as they work; `engine_stats` and `cache_state` only read,
+so the server may call them between steps from its loop thread.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvlab.engine.request import Sequence, Status
 
 if TYPE_CHECKING:  # the engine imports this module; only its type is needed here
     from kvlab.engine.engine import Engine
+
+
+@dataclass
+class StepCounters:
+    """Tokens the engine has computed, for `Engine.stats` (Prometheus counters in the server)."""
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_steps: int = 0
 
 
 def engine_stats(engine: "Engine") -> dict[str, Any]:

@@ -9,26 +9,14 @@ in the prefix cache: a block is findable only once every layer has written it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from kvlab.cache.paged import BlockPool, slot_mapping
+from kvlab.engine.introspection import StepCounters
 from kvlab.engine.request import Sequence
 from kvlab.model.batch import BatchInput, forward_batch
 from kvlab.model.llama import LlamaModel
 from kvlab.prefix.prefix_cache import PrefixCache
-
-
-@dataclass
-class StepCounters:
-    """Tokens the engine has computed, for `Engine.stats` (Prometheus counters in the server)."""
-
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    num_computed_tokens: int = 0
-    num_prefill_tokens: int = 0
-    num_steps: int = 0
 
 
 class ModelRunner:

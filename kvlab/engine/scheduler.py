@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvlab.cache.paged import BlockPool
-from kvlab.engine.model_runner import StepCounters
+from kvlab.engine.introspection import StepCounters
 from kvlab.engine.request import Sequence, Status
 from kvlab.generation.loop import StopReason, stop_reason
 from kvlab.prefix.prefix_cache import PrefixCache
