@@ -12,15 +12,15 @@ _os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "12")
 from kvlab.cache import KVCache, MemoryReport, kv_bytes_per_token
 from kvlab.config import ModelConfig, tiny_config
 from kvlab.engine.engine import Engine
-from kvlab.engine.generate import generate, stream_generate
+from kvlab.generation.generate import generate, stream_generate
 from kvlab.engine.request import CompletionOutput, RequestOutput
-from kvlab.engine.sampling import SamplingParams
+from kvlab.sampling.sampler import SamplingParams
 from kvlab.errors import (CacheMismatchError, CheckpointError, ConfigError, ContextLengthError, InputError,
                           KVLabError)
-from kvlab.hf.loader import load
+from kvlab.loader import load
 from kvlab.model.layers import apply_rope, grouped_attention
 from kvlab.model.llama import ForwardOutput, LlamaModel, TinyLlama
-from kvlab.prefix.session import Session
+from kvlab.sessions.session import Session
 from kvlab.tokenizer import ByteTokenizer
 
 __all__ = [

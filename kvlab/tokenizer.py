@@ -15,7 +15,7 @@ from kvlab.errors import InputError
 
 
 class ChatRenderer(Protocol):
-    """What a tokenizer needs from a chat template (kvlab.hf.chat_template.ChatTemplate provides it)."""
+    """What a tokenizer needs from a chat template (kvlab.chat_template.ChatTemplate provides it)."""
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                **variables: Any) -> str: ...

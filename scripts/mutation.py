@@ -4,7 +4,7 @@
     python scripts/mutation.py --jobs 4             # more mutmut workers on a machine you have to yourself
     python scripts/mutation.py --report-only        # kill rate from the last run's results (mutants/)
     python scripts/mutation.py --no-coverage        # skip the coverage run
-    python scripts/mutation.py 'kvlab.engine.sampling*'   # (re)run only mutants matching these names
+    python scripts/mutation.py 'kvlab.sampling.sampler*'   # (re)run only mutants matching these names
 
 mutmut's settings (which modules it mutates, which tests it runs) are in pyproject.toml, [tool.mutmut].
 Hypothesis runs with the `mutation` profile (tests/conftest.py): derandomized, no shrinking. Mutants listed

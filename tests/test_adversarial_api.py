@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import kvlab
 from adversarial import TALLY, cache_state, refuses, tree_state
 from kvlab import validate
-from kvlab.engine.sampling import SamplingParams
+from kvlab.sampling.sampler import SamplingParams
 from kvlab.errors import InputError
 from kvlab.model.weights import random_weights
 from kvlab.perplexity import perplexity
@@ -300,7 +300,7 @@ def test_verify_refuses_bad_arguments(kwargs):
 
 
 @settings(max_examples=40)
-@given(text=st.one_of(st.text(max_size=8).filter(lambda t: not validate._SIZE.fullmatch(t)),
+@given(text=st.one_of(st.text(max_size=8).filter(lambda t: not validate.values._SIZE.fullmatch(t)),
                       st.sampled_from(["1e400", "nan", "inf", "-1", "-5GiB", "9e18GB", "1e19", "8 XiB", "GiB"]),
                       st.floats(allow_nan=True), st.none(), st.booleans(), st.integers(max_value=-1)))
 def test_parse_size_refuses_what_is_not_a_byte_count(text):

@@ -21,8 +21,8 @@ from adversarial import TALLY, tree_state
 from kvlab.cli import build_parser
 from kvlab.cli.chat import Chat, input_lines
 from kvlab.model.llama import TinyLlama
-from kvlab.prefix.conversation import Conversation
-from kvlab.prefix.session import Session
+from kvlab.sessions.conversation import Conversation
+from kvlab.sessions.session import Session
 from kvlab.tokenizer import ByteTokenizer
 
 MODEL = TinyLlama(seed=7, max_position_embeddings=96)

@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 from kvlab import TinyLlama
 from kvlab.cache.paged import gather_blocks, write_slots
-from kvlab.engine.schedules import paged_logits
+from kvlab.verify.schedules import paged_logits
 from kvlab.model.layers import grouped_attention
 from kvlab.model.paged_attention import paged_attention
 

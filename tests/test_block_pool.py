@@ -1,4 +1,4 @@
-"""BlockPool: allocation, ref counts, LRU eviction of cached blocks, copy-on-write, accounting at idle."""
+"""BlockPool: allocation, ref counts, copy-on-write, accounting at idle (with a prefix cache holding blocks)."""
 
 import numpy as np
 import pytest
@@ -6,6 +6,7 @@ from hypothesis import given, strategies as st
 
 from kvlab.cache.paged import BlockPool
 from kvlab.errors import InputError
+from kvlab.prefix.prefix_cache import PrefixCache
 
 
 def make_pool(num_blocks=8, block_size=4):
@@ -41,26 +42,6 @@ def test_allocate_release_and_refcounts():
         pool.acquire([0])
 
 
-def test_cached_blocks_are_evictable_lru_and_count_as_free():
-    pool = make_pool(num_blocks=3)
-    blocks = pool.allocate(3)
-    for i, b in enumerate(blocks):
-        assert pool.register(b, bytes([i]) * 32, None, [i] * 4)
-    assert not pool.register(blocks[0], b"\x01" * 32, None, [1] * 4)  # key taken: nothing changes
-    pool.release(blocks)  # tail first: blocks[2] is the least recently used
-    assert pool.num_free_blocks == 3 and pool.num_evictable_blocks == 3
-    pool.check_invariants()
-    assert pool.lookup(b"\x00" * 32) == blocks[0]
-    pool.acquire([blocks[0]])  # a hit takes it out of the LRU
-    assert pool.num_free_blocks == 2
-    [new] = pool.allocate(1)
-    assert new == blocks[2] and pool.lookup(b"\x02" * 32) is None  # evicted, forgotten
-    pool.check_invariants()
-    pool.release([new, blocks[0]])
-    assert pool.evict_all() == 2 and pool.num_cached_blocks == 0
-    pool.check_invariants()
-
-
 def test_copy_block_copies_rows_of_every_layer():
     pool = make_pool()
     src, dst = pool.allocate(2)
@@ -86,6 +67,7 @@ def test_bad_sizes_refused(bad):
                           st.integers(0, 5)), max_size=60))
 def test_random_operations_keep_the_pool_balanced(ops):
     pool = make_pool(num_blocks=6)
+    cache = PrefixCache(pool)  # the registry and LRU of cached blocks are the prefix cache's
     tables: list[list[int]] = []
     key = 0
     for op, arg in ops:
@@ -99,9 +81,9 @@ def test_random_operations_keep_the_pool_balanced(ops):
             pool.release(tables.pop(arg % len(tables)))
         elif op == "register" and tables and tables[arg % len(tables)]:
             key += 1
-            pool.register(tables[arg % len(tables)][0], key.to_bytes(32, "little"), None, [key])
+            cache.register(tables[arg % len(tables)][0], key.to_bytes(32, "little"), None, [key])
         elif op == "evict":
-            pool.evict_all()
+            cache.evict_all()
         pool.check_invariants()
         assert pool.num_used_blocks == len({b for t in tables for b in t})
     for table in tables:

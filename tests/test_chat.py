@@ -15,7 +15,7 @@ import pytest
 from kvlab import ByteTokenizer, Session, TinyLlama
 from kvlab.cli import build_parser
 from kvlab.cli.chat import Chat
-from kvlab.prefix.conversation import Conversation
+from kvlab.sessions.conversation import Conversation
 
 STATS = re.compile(r"\[reused (\d+) · computed (\d+) · cache (\d+) tok .+ · "
                    r"prefill [\d.]+ ms · decode .+\]")
@@ -197,7 +197,7 @@ def test_a_sampled_reply_is_kept_as_generated_ids_and_the_next_turn_reuses_all_o
     """A reply's ids re-encoded from its text need not be the same ids ("t","h","e" -> "the"): the next
     turn must be built on the ids the session cached, so an append-only turn reuses every cached row."""
     import kvlab
-    from kvlab.prefix.conversation import Conversation
+    from kvlab.sessions.conversation import Conversation
 
     make_model_folder(tmp_path / "m", CHATML)
     model, tokenizer = kvlab.load(tmp_path / "m")
@@ -225,7 +225,7 @@ def test_a_template_that_rewrites_history_stops_the_splice_at_the_changed_reply(
     """A template that drops earlier replies: the render is tokenized from text (nothing to splice), so
     reuse stops at the first token that changed, as before."""
     import kvlab
-    from kvlab.prefix.conversation import Conversation
+    from kvlab.sessions.conversation import Conversation
 
     drops_replies = ("{% for m in messages %}{% if m['role'] != 'assistant' %}<|{{ m['role'] }}|>{{ m['content'] }}"
                      "</s>{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")

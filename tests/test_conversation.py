@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kvlab import ByteTokenizer
-from kvlab.prefix.conversation import ROLES, Conversation, encode_text
+from kvlab.sessions.conversation import ROLES, Conversation, encode_text
 
 
 class TemplateTokenizer(ByteTokenizer):

@@ -84,7 +84,7 @@ def test_cli_bad_policy_is_a_clear_error():
 
 def test_weight_quantization_fidelity_is_ordered_by_bits_and_float32_is_exact():
     from kvlab.model.weights import random_weights
-    from kvlab.quantize import weight_fidelity
+    from kvlab.fidelity import weight_fidelity
 
     config = TinyLlama(seed=0).config.replace(intermediate_size=64)
     weights = random_weights(config, 4, np.float32)

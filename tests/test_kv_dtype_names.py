@@ -5,7 +5,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kvlab.cache.kv_cache import KV_CACHE_DTYPES, resolve_kv_dtype
+from kvlab.cache.dtypes import KV_CACHE_DTYPES, resolve_kv_dtype
 from kvlab.cache.quant import QuantFormat
 from kvlab.errors import InputError
 

@@ -11,7 +11,7 @@ import pytest
 import safetensors.numpy
 
 from kvlab import CacheMismatchError, CheckpointError, InputError, KVCache, Session, TinyLlama
-from kvlab.prefix import persist
+from kvlab.sessions import persist
 
 TOL = 1e-10
 HISTORY = [1, 7, 7, 3, 9, 4, 2, 8, 5, 6, 3, 1, 2]

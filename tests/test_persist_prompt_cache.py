@@ -10,7 +10,7 @@ import pytest
 
 import kvlab
 from kvlab import CacheMismatchError, InputError, Session, TinyLlama, generate
-from kvlab.prefix.prompt_cache import generate_with_prompt_cache, open_prompt_cache
+from kvlab.sessions.prompt_cache import generate_with_prompt_cache, open_prompt_cache
 
 PROMPT = [256, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100]
 

@@ -21,8 +21,7 @@ def make_cache(num_blocks=16, block_size=4):
 def compute(pool, cache, tokens):
     """What the engine does after computing all of `tokens` for one request: allocate, register."""
     table = pool.allocate(pool.blocks_for(len(tokens)))
-    keys: list[bytes] = []
-    cache.insert(table, tokens, keys, ROOT, len(tokens))
+    keys = cache.insert(table, tokens, ROOT, len(tokens)).keys
     return table, keys
 
 
@@ -48,7 +47,7 @@ def test_match_returns_full_blocks_of_the_longest_cached_prefix():
     pool, cache = make_cache()
     tokens = list(range(10))  # two full blocks + 2 tokens
     table, keys = compute(pool, cache, tokens)
-    assert len(keys) == 2 and pool.num_cached_blocks == 2
+    assert len(keys) == 2 and cache.num_cached_blocks == 2
     blocks, hit_keys = cache.match(tokens[:8] + [99, 98, 97, 96], ROOT)
     assert blocks == table[:2] and hit_keys == keys
     assert cache.match([0, 1, 2, 3, 9, 9, 9, 9], ROOT)[0] == table[:1]
@@ -60,7 +59,7 @@ def test_a_hit_is_verified_token_by_token():
     pool, cache = make_cache()
     table, keys = compute(pool, cache, [1, 2, 3, 4])
     # Forge a collision: the key of [5, 6, 7, 8] pointing at the block that holds [1, 2, 3, 4].
-    pool._cached[block_key(ROOT, [5, 6, 7, 8])] = table[0]
+    cache._cached[block_key(ROOT, [5, 6, 7, 8])] = table[0]
     assert cache.match([5, 6, 7, 8], ROOT) == ([], [])
 
 
@@ -68,16 +67,15 @@ def test_disabled_cache_neither_matches_nor_registers():
     pool = BlockPool(1, 1, 2, np.float64, 4, 8)
     cache = PrefixCache(pool, enabled=False)
     table = pool.allocate(2)
-    keys: list[bytes] = []
-    cache.insert(table, list(range(8)), keys, ROOT, 8)
-    assert keys == [] and pool.num_cached_blocks == 0 and cache.match(list(range(8)), ROOT) == ([], [])
+    keys = cache.insert(table, list(range(8)), ROOT, 8).keys
+    assert keys == [] and cache.num_cached_blocks == 0 and cache.match(list(range(8)), ROOT) == ([], [])
 
 
 def test_duplicate_content_keeps_the_first_block():
     pool, cache = make_cache()
     first, _ = compute(pool, cache, [1, 2, 3, 4])
     second, keys = compute(pool, cache, [1, 2, 3, 4])
-    assert len(keys) == 1 and pool.lookup(keys[0]) == first[0]
+    assert len(keys) == 1 and cache.lookup(keys[0]) == first[0]
     pool.release(second)
     assert pool.num_evictable_blocks == 0  # the duplicate was freed, not cached
     pool.release(first)
@@ -101,3 +99,91 @@ def test_match_equals_longest_common_block_prefix(prompts):
         compute(pool, cache, tokens)
         seen.append(tokens)
     pool.check_invariants()
+
+
+def test_cached_blocks_are_evictable_lru_and_count_as_free():
+    pool = BlockPool(num_layers=2, num_kv_heads=2, head_dim=4, dtype=np.float64, block_size=4, num_blocks=3)
+    cache = PrefixCache(pool)  # moved from test_block_pool: the registry and LRU are the prefix cache's
+    blocks = pool.allocate(3)
+    for i, b in enumerate(blocks):
+        assert cache.register(b, bytes([i]) * 32, None, [i] * 4)
+    assert not cache.register(blocks[0], b"\x01" * 32, None, [1] * 4)  # key taken: nothing changes
+    pool.release(blocks)  # tail first: blocks[2] is the least recently used
+    assert pool.num_free_blocks == 3 and pool.num_evictable_blocks == 3
+    pool.check_invariants()
+    assert cache.lookup(b"\x00" * 32) == blocks[0]
+    pool.acquire([blocks[0]])  # a hit takes it out of the LRU
+    assert pool.num_free_blocks == 2
+    [new] = pool.allocate(1)
+    assert new == blocks[2] and cache.lookup(b"\x02" * 32) is None  # evicted, forgotten
+    pool.check_invariants()
+    pool.release([new, blocks[0]])
+    assert cache.evict_all() == 2 and cache.num_cached_blocks == 0
+    pool.check_invariants()
+
+
+def test_insert_returns_new_keys_and_what_was_already_there():
+    pool, cache = make_cache()
+    tokens = list(range(12))
+    first = pool.allocate(3)
+    done = cache.insert(first, tokens, ROOT, 8)  # two of three blocks computed
+    assert len(done.keys) == 2 and done.existing == 0
+    more = cache.insert(first, tokens, ROOT, 12, done.keys)  # only the third is new; the caller's list is kept
+    assert len(more.keys) == 1 and len(done.keys) == 2 and more.existing == 0
+    assert cache.insert(first, tokens, ROOT, 12, done.keys + more.keys) == ([], 0)  # nothing new
+    second = pool.allocate(3)
+    again = cache.insert(second, tokens, ROOT, 12)
+    assert again.keys == done.keys + more.keys and again.existing == 3  # the same content: already there
+    assert (cache.evictable_size, cache.protected_size) == (0, 3)
+    pool.release(first)
+    assert (cache.evictable_size, cache.protected_size) == (3, 0)
+    pool.release(second)
+    assert pool.num_free_blocks == pool.num_blocks
+    pool.check_invariants()
+
+
+class Recorder:
+    """A listener that records the hooks and, on a miss, supplies the missing block from a second copy."""
+
+    def __init__(self, pool, tokens):
+        self.pool, self.tokens, self.events = pool, tokens, []
+
+    def block_stored(self, block, info):
+        self.events.append(("stored", block, info.token_ids))
+
+    def block_removed(self, info):
+        self.events.append(("removed", info.token_ids))
+
+    def prefix_miss(self, cache, token_ids, parent, start):
+        self.events.append(("miss", start))
+        chunk = list(token_ids[start:start + 4])
+        if chunk == self.tokens[start:start + 4]:
+            [block] = self.pool.allocate(1)  # a shared tier would write the block's K/V here
+            cache.register(block, block_key(parent, chunk), parent, chunk)
+            self.pool.release([block])
+
+
+def test_listener_hooks_see_stores_evictions_and_fill_a_local_miss():
+    pool, cache = make_cache(num_blocks=4)
+    tokens = list(range(8))
+    listener = Recorder(pool, tokens)
+    cache.listeners.append(listener)
+    table, keys = compute(pool, cache, tokens[:4])
+    assert listener.events == [("stored", table[0], tuple(tokens[:4]))]
+    pool.release(table)
+    blocks, hit_keys = cache.match(tokens, ROOT)  # the local cache holds block 0; the tier supplies block 1
+    assert len(blocks) == 2 and blocks[0] == table[0] and hit_keys[0] == keys[0]
+    assert ("miss", 4) in listener.events
+    assert cache.match([9] * 8, ROOT) == ([], [])  # a miss the tier cannot fill stays a miss
+    cache.evict_all()
+    assert [e for e in listener.events if e[0] == "removed"] == [("removed", tuple(tokens[:4])),
+                                                                  ("removed", tuple(tokens[4:]))]
+    pool.check_invariants()
+
+
+def test_a_disabled_cache_leaves_the_pool_without_an_evictor():
+    pool = BlockPool(1, 1, 2, np.float64, 4, 8)
+    PrefixCache(pool, enabled=False)
+    table = pool.allocate(2)
+    pool.release(table)
+    assert pool.evictor is None and pool.num_evictable_blocks == 0 and pool.num_free_blocks == 8

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from references import common_prefix_reference
 
 from kvlab import ContextLengthError, InputError, Session, TinyLlama
-from kvlab.prefix import common_prefix_length
+from kvlab.sessions import common_prefix_length
 
 TOL = 1e-10  # float64 cached vs uncached logits: measured differences are ~1e-15
 MODEL = TinyLlama(seed=7)  # vocab 260

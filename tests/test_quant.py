@@ -11,7 +11,7 @@ from kvlab import CacheMismatchError, InputError, Session, TinyLlama
 from kvlab.cache.kv_cache import KVCache, resolve_kv_dtype
 from kvlab.cache.quant import (FP8_DTYPES, QuantFormat, dequantize_int, fp8_error_bound, pack_int4,
                                quantize_fp8, quantize_int, unpack_int4)
-from kvlab.prefix.persist import write_session_file
+from kvlab.sessions.persist import write_session_file
 
 finite = st.floats(-1000, 1000, allow_nan=False, width=32)
 

@@ -13,7 +13,8 @@ import pytest
 import kvlab
 from kvlab import LlamaModel
 from kvlab.errors import InputError
-from kvlab.quantize import dequantized, quantize_weights, read_float_weights
+from kvlab.loader import read_float_weights
+from kvlab.model.quantized import dequantized, quantize_weights
 
 pytest.importorskip("gguf")
 SHIPPED = Path(kvlab.__file__).parent / "models" / "shakespeare"

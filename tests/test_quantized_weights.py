@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gguf_files import random_k_blocks
-from kvlab.gguf.blocks import BLOCK_SIZES, BLOCK_TYPES, dequantize, unpack
+from kvlab.model.ggml_quants import BLOCK_SIZES, BLOCK_TYPES, dequantize, unpack
 from kvlab.kernels import AVAILABLE
 from kvlab.model.quantized import QuantizedMatrix
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from kvlab.engine.sampling import Sampler, SamplingParams
+from kvlab.sampling.sampler import Sampler, SamplingParams
 from kvlab.errors import InputError
 
 EXACT = 1e-12  # float64 softmax of a handful of logits: errors are ~1e-16; this allows a few ulps x 1e3

@@ -11,9 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvlab
-from kvlab.engine.defaults import LLAMA_CPP_DEFAULTS, ModelSampling, resolve_sampling
+from kvlab.sampling.defaults import LLAMA_CPP_DEFAULTS, ModelSampling, resolve_sampling
 from kvlab.errors import ConfigError, InputError
-from kvlab.hf.generation_config import model_sampling
+from kvlab.loader import model_sampling
 from test_hf_loader import write_folder
 
 NONE = {"temperature": None, "top_k": None, "top_p": None, "min_p": None}

@@ -16,7 +16,7 @@ import safetensors.numpy
 from safetensors import safe_open
 
 from kvlab import CacheMismatchError, CheckpointError, InputError, KVCache, Session, TinyLlama
-from kvlab.prefix import persist
+from kvlab.sessions import persist
 
 MODEL = TinyLlama(seed=7)  # vocab 260, 2 layers, 2 KV heads, head_dim 8
 TOKENS = [256, 5, 9, 259, 0]

@@ -9,7 +9,7 @@ import pytest
 
 from kvlab.errors import CheckpointError, InputError
 from kvlab.hf import load_tokenizer
-from kvlab.hf.chat_template import ChatTemplate
+from kvlab.chat_template import ChatTemplate
 from kvlab.tokenizer import ByteTokenizer, IncrementalDecoder
 
 tokenizers = pytest.importorskip("tokenizers")

@@ -15,41 +15,10 @@ from kvlab import validate
 from kvlab.cache.base import CacheSpec, KVStore
 from kvlab.cache.contiguous import MIN_CAPACITY, ContiguousStore
 from kvlab.cache.memory import MemoryReport
-from kvlab.cache.quant import QUANT_NAMES, QuantFormat, parse_quant_format
+from kvlab.cache.dtypes import KV_CACHE_DTYPES, resolve_kv_dtype  # noqa: F401 (KV_CACHE_DTYPES: re-exported)
+from kvlab.cache.quant import QuantFormat
 from kvlab.cache.quantized import QuantizedStore
 from kvlab.errors import CacheMismatchError, InputError
-
-try:  # bfloat16 storage for caches; optional at import time, required to use it
-    import ml_dtypes
-    _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover
-    _BFLOAT16 = None
-
-
-# Every `kv_cache_dtype` name the API and CLI flags accept (plus dtype objects and a few aliases).
-KV_CACHE_DTYPES = ("float32", "float16", "bfloat16", "float64", "fp32", "fp16", "bf16", "fp64") + QUANT_NAMES
-
-
-def resolve_kv_dtype(kv_dtype: object, compute_dtype: np.dtype) -> np.dtype | QuantFormat:
-    """Map a name ("float16", "bf16", "int8", "fp8_e5m2", ...) or dtype to how cached rows are stored:
-    a NumPy dtype for float caches, a QuantFormat for quantized ones (kvlab/cache/quant.py)."""
-    if kv_dtype is None:
-        return np.dtype(compute_dtype)
-    if isinstance(kv_dtype, QuantFormat):
-        return kv_dtype
-    name = str(getattr(kv_dtype, "__name__", kv_dtype)).lower()
-    name = {"fp64": "float64", "fp32": "float32", "fp16": "float16", "half": "float16",
-            "bf16": "bfloat16"}.get(name, name)
-    if name == "bfloat16" and _BFLOAT16 is not None:
-        return _BFLOAT16
-    if name in ("float64", "float32", "float16"):
-        return np.dtype(name)
-    quantized = parse_quant_format(name.replace("_", "-") if name.startswith("int") else name)
-    if quantized is not None:
-        return quantized
-    raise InputError(f"unsupported KV cache dtype {kv_dtype!r}: choose float64, float32, float16, bfloat16, "
-                     "int8, int4, fp8_e4m3 or fp8_e5m2")
-
 
 class KVCache:
     """Cached keys (after RoPE) and values (unrotated) of every layer, with their absolute positions.
@@ -188,7 +157,7 @@ class KVCache:
     # --- editing -----------------------------------------------------------------------------------------
     def crop(self, max_length: int) -> None:
         """Keep the first `max_length` positions (negative: drop that many from the end), as HF's crop."""
-        if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)):
+        if not validate.is_int(max_length):
             raise InputError(f"crop length must be an int, got {max_length!r}")
         n = int(max_length)
         if n < 0:

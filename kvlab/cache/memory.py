@@ -11,38 +11,50 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 
+from kvlab.cache.dtypes import PAYLOAD_BYTES, scale_bytes_per_row, size_name
 from kvlab.config import ModelConfig
-from kvlab.errors import InputError
 
-# Bytes per stored scalar. fp8/int8/int4 count the payload only: their per-group scales are extra.
-DTYPE_BYTES: dict[str, float] = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1, "int4": 0.5,
-}
-DTYPE_ALIASES = {"fp64": "float64", "fp32": "float32", "fp16": "float16", "half": "float16",
-                 "bf16": "bfloat16", "float8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8",
-                 "int8-token": "int8", "int8-channel": "int8", "int4-token": "int4", "int4-channel": "int4"}
-
-def canonical_dtype(name: str) -> str:
-    key = DTYPE_ALIASES.get(str(name).lower(), str(name).lower())
-    if key not in DTYPE_BYTES:
-        raise InputError(f"unknown cache dtype {name!r}; choose from {', '.join(DTYPE_BYTES)}")
-    return key
+# Bytes per stored scalar, by storage kind (kvlab/cache/dtypes.py). fp8/int8/int4 count the payload only:
+# their per-group scales are extra (kv_scale_bytes_per_token).
+DTYPE_BYTES: dict[str, float] = {name: float(b) if b.denominator > 1 else int(b) for name, b in PAYLOAD_BYTES.items()}
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: str = "float64") -> float:
+def canonical_dtype(name: object) -> str:
+    """The storage kind a cache-dtype name is sized as ("BF16" -> "bfloat16", "int8-channel" -> "int8")."""
+    return size_name(name)
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: object = "float64") -> float:
     """K/V payload bytes one cached position adds, over all layers: 2 * L * H_kv * d * b."""
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * \
-        DTYPE_BYTES[canonical_dtype(dtype)]
+        DTYPE_BYTES[size_name(dtype)]
 
 
-def kv_scale_bytes_per_token(config: ModelConfig, dtype: str = "float64") -> float:
+def kv_scale_bytes_per_token(config: ModelConfig, dtype: object = "float64") -> float:
     """Metadata bytes one cached position adds for a quantized dtype: int8/int4 keep a float16 scale and
     zero per group of 32 values along head_dim (one group per head when head_dim is not a multiple of 32),
     as kvlab/cache/quantized.py stores them; float dtypes and fp8 (a plain cast) keep none."""
-    if canonical_dtype(dtype) not in ("int8", "int4"):
+    if size_name(dtype) not in ("int8", "int4"):
         return 0.0
-    group = 32 if config.head_dim % 32 == 0 else config.head_dim
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * (config.head_dim // group) * 2 * 2
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * scale_bytes_per_row(dtype, config.head_dim)
+
+
+def _exact_bytes_per_token(config: ModelConfig, dtype: object) -> Fraction:
+    """Payload plus scales of one position, as an exact rational (int4 is half a byte per scalar)."""
+    payload = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * \
+        PAYLOAD_BYTES[size_name(dtype)]
+    return payload + Fraction(kv_scale_bytes_per_token(config, dtype))
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: object) -> int:
+    """Bytes one block of `block_size` positions takes in a block pool, payload and scales: an int, so a
+    budget divided by it is a whole number of blocks (kvlab/cache/paged.py allocates exactly this)."""
+    return int(_exact_bytes_per_token(config, dtype) * block_size)
+
+
+def blocks_in_budget(config: ModelConfig, budget_bytes: int, block_size: int, dtype: object) -> int:
+    """How many whole blocks fit in `budget_bytes`."""
+    return int(budget_bytes) // kv_bytes_per_block(config, block_size, dtype)
 
 
 def kv_payload_bytes(config: ModelConfig, num_tokens: int, batch_size: int = 1,
@@ -55,7 +67,7 @@ def tokens_in_budget(config: ModelConfig, budget_bytes: int, batch_size: int = 1
                      dtype: str = "float64") -> int:
     """How many positions per sequence fit in `budget_bytes` of K/V (payload and scales) at this batch size."""
     # exact rationals (int4 is half a byte): a float quotient would round a budget just short of n tokens up to n
-    per_token = Fraction(kv_bytes_per_token(config, dtype)) + Fraction(kv_scale_bytes_per_token(config, dtype))
+    per_token = _exact_bytes_per_token(config, dtype)
     return int(Fraction(budget_bytes) // (per_token * batch_size))
 
 

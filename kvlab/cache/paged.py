@@ -1,4 +1,4 @@
-"""BlockPool: K/V in fixed-size blocks shared by every request, with ref counts and an LRU of cached blocks.
+"""BlockPool: K/V in fixed-size blocks shared by every request, with ref counts and a free list.
 
 Per layer, keys and values live in one array each, [num_blocks, H_kv, block_size, d], allocated once. A
 request owns a block table (a list of block ids); a token at position p of a request lives in block
@@ -7,25 +7,35 @@ request owns a block table (a list of block ids); a token at position p of a req
 
 Every block is in exactly one of three states (DESIGN invariant 7, checked by `check_invariants`):
   - free: holds nothing anyone may read; on the free list;
-  - cached: ref_count 0 but registered under a key by the prefix cache, so a later request may reuse it;
-    evictable, least recently used first;
+  - evictable: ref_count 0 but held by an Evictor (the prefix cache, kvlab/prefix/prefix_cache.py), so a
+    later request may reuse it; the evictor gives it back, least recently used first, when the pool runs dry;
   - in use: ref_count > 0 (one per block table holding it).
-The pool knows nothing about how keys are made: it stores what the prefix cache registers (key, parent key,
-token ids) and forgets it when the block is evicted.
+The pool only allocates and counts references: keys, the registry and the LRU are the prefix cache's. It
+asks its evictor three things (`hold`, `revive`, `evict_lru`) and knows nothing about how keys are made.
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
-from dataclasses import dataclass
-from typing import Iterable, Sequence
+from collections import deque
+from typing import Iterable, Protocol, Sequence
 
 import numpy as np
 
 from kvlab.cache.quant import QuantFormat
 from kvlab.cache.quantized import QuantizedBlocks
 from kvlab.errors import InputError
+from kvlab.validate import positive_int
+
+
+def slot_mapping(block_table: Sequence[int], start: int, count: int, block_size: int) -> np.ndarray:
+    """Global slots [count] of positions start..start+count-1 of a sequence: block * block_size + offset.
+
+    The one place a position becomes a slot: the engine's model runner, PagedStore and verify's paged
+    schedule all call it, so they cannot disagree about where a row lives.
+    """
+    positions = np.arange(start, start + count)
+    return np.asarray(block_table, dtype=np.int64)[positions // block_size] * block_size + positions % block_size
 
 
 def write_slots(key_cache: np.ndarray, value_cache: np.ndarray, slot_mapping: np.ndarray,
@@ -50,24 +60,36 @@ def gather_blocks(cache: np.ndarray, block_tables: np.ndarray, length: int) -> n
     return gathered.transpose(0, 2, 1, 3, 4).reshape(batch, heads, num_blocks * block_size, dim)[:, :, :length]
 
 
-@dataclass(frozen=True)
-class CachedBlock:
-    """What the prefix cache registered for a full block: its key, its parent's key and its token ids."""
+class Evictor(Protocol):
+    """What keeps unreferenced blocks findable instead of free (the prefix cache), as the pool sees it."""
 
-    key: bytes
-    parent: bytes | None
-    token_ids: tuple[int, ...]
+    @property
+    def num_evictable(self) -> int: ...
+
+    def evictable_blocks(self) -> set[int]: ...
+
+    def hold(self, block: int) -> bool:
+        """The last reference to `block` was dropped: True if it stays findable (evictable), else it is freed."""
+
+    def revive(self, block: int) -> bool:
+        """An unreferenced block is acquired again (a prefix hit): True if it was evictable (it leaves the LRU)."""
+
+    def evict_lru(self) -> int:
+        """Forget the least recently used evictable block and return it (the pool reuses it)."""
+
+    def check_invariants(self, free: set[int]) -> None:
+        """Assert the evictor's own bookkeeping agrees with the pool's free list."""
 
 
 class BlockPool:
-    """Fixed-size K/V blocks for all layers, a free list, ref counts and an LRU of evictable cached blocks."""
+    """Fixed-size K/V blocks for all layers, a free list and ref counts; unreferenced cached blocks are held
+    by an optional Evictor (the prefix cache attaches itself) and count as free, as vLLM counts them."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: np.dtype | QuantFormat,
                  block_size: int, num_blocks: int, compute_dtype: np.dtype = np.float32) -> None:
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("block_size", block_size), ("num_blocks", num_blocks)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise InputError(f"{name} must be a positive int, got {value!r}")
+            positive_int(value, name)
         self.block_size = int(block_size)
         self.num_blocks = int(num_blocks)
         shape = (self.num_blocks, int(num_kv_heads), self.block_size, int(head_dim))
@@ -81,28 +103,27 @@ class BlockPool:
             self.value_cache = [np.zeros(shape, dtype=self.dtype) for _ in range(num_layers)]
         self.ref_counts = [0] * self.num_blocks
         self._free: deque[int] = deque(range(self.num_blocks))
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 and cached, LRU first
-        self._cached: dict[bytes, int] = {}                      # key -> block
-        self._block_info: dict[int, CachedBlock] = {}            # block -> what was registered
+        self.evictor: Evictor | None = None
+
+    def attach(self, evictor: Evictor) -> None:
+        """Let `evictor` hold unreferenced blocks (once, before any block is released)."""
+        if self.evictor is not None:
+            raise InputError("this pool already has an evictor (one prefix cache per pool)")
+        self.evictor = evictor
 
     # --- accounting ----------------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         """Blocks no request references: plain free plus cached-evictable (as vLLM counts them)."""
-        return len(self._free) + len(self._evictable)
+        return len(self._free) + self.num_evictable_blocks
 
     @property
     def num_evictable_blocks(self) -> int:
-        return len(self._evictable)
+        return self.evictor.num_evictable if self.evictor is not None else 0
 
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks registered in the prefix cache, in use or not."""
-        return len(self._cached)
 
     @property
     def bytes_per_block(self) -> int:
@@ -118,56 +139,54 @@ class BlockPool:
 
     def check_invariants(self) -> None:
         """free + evictable + in use == total, and each block in exactly one state (catches double frees)."""
-        free, evictable = set(self._free), set(self._evictable)
+        free = set(self._free)
+        evictable = self.evictor.evictable_blocks() if self.evictor is not None else set()
         used = {b for b, r in enumerate(self.ref_counts) if r > 0}
         assert len(free) == len(self._free), "a block is on the free list twice"
         assert all(r >= 0 for r in self.ref_counts), "negative ref count"
         assert not (free & evictable) and not (free & used) and not (evictable & used), "block in two states"
         assert len(free) + len(evictable) + len(used) == self.num_blocks, "blocks leaked"
-        assert evictable <= set(self._block_info), "an evictable block is not cached"
-        assert not (free & set(self._block_info)), "a free block is still registered"
-        assert {b: k for k, b in self._cached.items()} == {b: i.key for b, i in self._block_info.items()}
+        if self.evictor is not None:
+            self.evictor.check_invariants(free)
 
     # --- allocation ----------------------------------------------------------------------------------------
     def allocate(self, count: int) -> list[int]:
-        """`count` blocks with ref_count 1: free ones first, then the least recently used cached ones."""
+        """`count` blocks with ref_count 1: free ones first, then the least recently used evictable ones."""
         if count > self.num_free_blocks:
             raise InputError(f"asked for {count} blocks but only {self.num_free_blocks} are free")
         blocks = []
         for _ in range(count):
-            if self._free:
-                block = self._free.popleft()
-            else:
-                block, _ = self._evictable.popitem(last=False)
-                self._forget(block)
+            block = self._free.popleft() if self._free else self.evictor.evict_lru()
             self.ref_counts[block] = 1
             blocks.append(block)
         return blocks
 
     def acquire(self, blocks: Iterable[int]) -> None:
-        """One more reference to each of `blocks` (a prefix hit or a fork); cached blocks leave the LRU."""
+        """One more reference to each of `blocks` (a prefix hit or a fork); evictable blocks leave the LRU."""
         for block in blocks:
-            if self.ref_counts[block] == 0:
-                if block not in self._evictable:
-                    raise InputError(f"block {block} is free: only in-use or cached blocks can be shared")
-                del self._evictable[block]
+            if self.ref_counts[block] == 0 and (self.evictor is None or not self.evictor.revive(block)):
+                raise InputError(f"block {block} is free: only in-use or cached blocks can be shared")
             self.ref_counts[block] += 1
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference to each block of a block table.
 
-        Blocks reaching 0 become evictable if cached (else free). They are released tail first, as vLLM
-        does, so a sequence's last blocks are evicted before its first ones, which more requests share.
+        Blocks reaching 0 become evictable if the evictor holds them (else free). They are released tail
+        first, as vLLM does, so a sequence's last blocks are evicted before its first ones, which more
+        requests share.
         """
         for block in reversed(blocks):
             if self.ref_counts[block] <= 0:
                 raise InputError(f"block {block} released more often than acquired")
             self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                if block in self._block_info:
-                    self._evictable[block] = None
-                else:
-                    self._free.append(block)
+            if self.ref_counts[block] == 0 and (self.evictor is None or not self.evictor.hold(block)):
+                self._free.append(block)
+
+    def free_evicted(self, block: int) -> None:
+        """An evictable block the evictor has forgotten goes back on the free list."""
+        if self.ref_counts[block] != 0:
+            raise InputError(f"block {block} is in use: only unreferenced blocks can be freed")
+        self._free.append(block)
 
     def copy_block(self, src: int, dst: int, num_tokens: int) -> None:
         """Copy the first `num_tokens` rows of block `src` into `dst` in every layer (copy-on-write)."""
@@ -177,36 +196,6 @@ class BlockPool:
                     layer.copy_rows(src, dst, num_tokens)
                 else:
                     layer[dst, :, :num_tokens] = layer[src, :, :num_tokens]
-
-    # --- what the prefix cache registers ---------------------------------------------------------------------
-    def register(self, block: int, key: bytes, parent: bytes | None, token_ids: Sequence[int]) -> bool:
-        """Make a full in-use block findable under `key`. False (nothing changes) if the key is taken."""
-        if key in self._cached or block in self._block_info:
-            return False
-        if self.ref_counts[block] <= 0:
-            raise InputError(f"block {block} is not in use: only computed blocks can be cached")
-        self._cached[key] = block
-        self._block_info[block] = CachedBlock(key, parent, tuple(int(t) for t in token_ids))
-        return True
-
-    def lookup(self, key: bytes) -> int | None:
-        return self._cached.get(key)
-
-    def cached_info(self, block: int) -> CachedBlock | None:
-        return self._block_info.get(block)
-
-    def evict_all(self) -> int:
-        """Forget every evictable cached block (they become free); returns how many."""
-        count = len(self._evictable)
-        while self._evictable:
-            block, _ = self._evictable.popitem(last=False)
-            self._forget(block)
-            self._free.append(block)
-        return count
-
-    def _forget(self, block: int) -> None:
-        info = self._block_info.pop(block)
-        del self._cached[info.key]
 
 
 class PagedStore:
@@ -235,17 +224,12 @@ class PagedStore:
         if more > 0:
             self.block_table += self.pool.allocate(more)
 
-    def _slots(self, start: int, count: int) -> np.ndarray:
-        positions = np.arange(start, start + count)
-        size = self.pool.block_size
-        return np.asarray(self.block_table, dtype=np.int64)[positions // size] * size + positions % size
-
     def write(self, layer: int, start: int, keys: np.ndarray, values: np.ndarray) -> None:
         if keys.shape[0] != 1:
             raise InputError(f"a PagedStore holds one sequence, got a batch of {keys.shape[0]}")
         if layer == 0:
             self._own(start, keys.shape[2])
-        slots = self._slots(start, keys.shape[2])
+        slots = slot_mapping(self.block_table, start, keys.shape[2], self.pool.block_size)
         write_slots(self.pool.key_cache[layer], self.pool.value_cache[layer], slots,
                     keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2))
 

@@ -19,15 +19,9 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from kvlab.errors import InputError
 
 SCALE_DTYPE = np.dtype(np.float16)
 FP8_DTYPES = {"fp8_e4m3": np.dtype(ml_dtypes.float8_e4m3fn), "fp8_e5m2": np.dtype(ml_dtypes.float8_e5m2)}
-_ALIASES = {"fp8": "fp8_e4m3", "float8": "fp8_e4m3", "float8_e4m3": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3",
-            "fp8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2", "q8": "int8", "q4": "int4"}
-# The names `kv_cache_dtype` accepts beyond float dtypes. "-token"/"-channel" pick how keys are grouped.
-QUANT_NAMES = ("int8", "int4", "fp8", "fp8_e4m3", "fp8_e5m2", "int8-token", "int8-channel", "int4-token",
-               "int4-channel")
 # Key grouping when the name does not say. Measured with `kvlab fidelity --max-tokens 2048` on the shipped
 # model: KIVI's per-channel keys are better, mean KL 3.3e-6 vs 1.3e-5 at int8 and 1.0e-3 vs 3.7e-3 at int4
 # (top-1 97.4 % vs 95.4 %; perplexity +0.28 % vs +0.22 %, within noise). The default stays per token
@@ -51,31 +45,12 @@ class QuantFormat:
     def is_float(self) -> bool:
         return self.name in FP8_DTYPES
 
-    @property
-    def itemsize(self) -> float:
-        """Payload bytes per stored scalar (scales are extra: see scale_bytes_per_scalar)."""
-        return self.bits / 8
-
-    def scale_bytes_per_scalar(self) -> float:
-        """Metadata bytes per stored scalar: a float16 scale and zero per group; none for fp8."""
-        return 0.0 if self.is_float else 2 * SCALE_DTYPE.itemsize / self.group_size
+    def group(self, head_dim: int) -> int:
+        """Values per scale along head_dim: `group_size`, or the whole head when it does not divide it."""
+        return self.group_size if head_dim % self.group_size == 0 else head_dim
 
     def __str__(self) -> str:
         return self.name
-
-
-def parse_quant_format(name: str) -> QuantFormat | None:
-    """QuantFormat for a quantized cache-dtype name, or None if `name` is not one (a float dtype, say)."""
-    key = _ALIASES.get(name, name)
-    base, _, grouping = key.partition("-")
-    if base in FP8_DTYPES and not grouping:
-        return QuantFormat(base, 8)
-    if base not in ("int8", "int4"):
-        return None
-    if grouping not in ("", "token", "channel"):
-        raise InputError(f"unknown key grouping {grouping!r} in cache dtype {name!r}: use {base}, "
-                         f"{base}-token or {base}-channel")
-    return QuantFormat(key, 8 if base == "int8" else 4, grouping or DEFAULT_KEY_GROUPING)
 
 
 # --- integer codes -----------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ class _TokenCodes:
     def __init__(self, fmt: QuantFormat, shape: tuple[int, int, int], dtype: np.dtype, capacity: int) -> None:
         self.fmt, self.shape, self.dtype = fmt, shape, dtype
         batch, heads, dim = shape
-        self.group = fmt.group_size if dim % fmt.group_size == 0 else dim
+        self.group = fmt.group(dim)
         self.codes_dim = dim // 2 if fmt.bits == 4 else dim
         self.codes_dtype = FP8_DTYPES[fmt.name] if fmt.is_float else np.dtype(np.uint8)
         self.codes = np.zeros((batch, heads, capacity, self.codes_dim), self.codes_dtype)
@@ -279,7 +279,7 @@ class QuantizedBlocks:
                              f"key groups ({fmt.name}) are only available in the contiguous cache")
         self.fmt, self.dtype = fmt, np.dtype(dtype)
         self.shape = (num_blocks, num_kv_heads, block_size, head_dim)
-        self.group = fmt.group_size if head_dim % fmt.group_size == 0 else head_dim
+        self.group = fmt.group(head_dim)
         codes_dtype = FP8_DTYPES[fmt.name] if fmt.is_float else np.dtype(np.uint8)
         self.codes = np.zeros(self.shape[:3] + (head_dim // 2 if fmt.bits == 4 else head_dim,), codes_dtype)
         groups = 0 if fmt.is_float else head_dim // self.group

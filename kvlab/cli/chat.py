@@ -17,11 +17,11 @@ from typing import Any, Iterator, TextIO
 from kvlab.cli.checks import check_sampling_flags, draw_seed, drawn_seed_note
 from kvlab.cli.fmt import human_bytes
 from kvlab.cli.sampling_flags import add_sampling_flags, sampling_settings
-from kvlab.engine.defaults import ResolvedSampling
+from kvlab.sampling.defaults import ResolvedSampling
 from kvlab.errors import InputError, KVLabError
 from kvlab.model.llama import LlamaModel, TinyLlama
-from kvlab.prefix.conversation import Conversation
-from kvlab.prefix.session import Session
+from kvlab.sessions.conversation import Conversation
+from kvlab.sessions.session import Session
 from kvlab.tokenizer import ByteTokenizer
 from kvlab.validate import decode_text
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import secrets
 
-from kvlab.engine.sampling import SamplingParams
+from kvlab.sampling.sampler import SamplingParams
 
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "seed")
 

@@ -81,7 +81,7 @@ def hf_files(checkpoint: Any, sampling: Any, dtype: str = "float32") -> dict[str
 def convert(source: str | Path, output: str | Path, dtype: str = "float32") -> Path:
     """Write the HF folder for `source` at `output`; returns the folder."""
     from kvlab.gguf.loader import gguf_file, read_checkpoint
-    from kvlab.hf.generation_config import model_sampling
+    from kvlab.loader import model_sampling
     from kvlab.hf.safetensors import save_file
 
     output = Path(output).expanduser()

@@ -18,9 +18,10 @@ from rich.table import Table
 
 from kvlab.cli.fmt import console, human_bytes
 from kvlab.errors import InputError
-from kvlab.fidelity import DEFAULT_CHOICES, FidelityRow, measure_fidelity
+from kvlab.fidelity import DEFAULT_CHOICES, FidelityRow, measure_fidelity, weight_fidelity
 from kvlab.policies.parse import POLICY_FORMS
-from kvlab.quantize import QUANTIZE_TYPES, quant_type, read_float_weights, weight_fidelity
+from kvlab.loader import read_float_weights
+from kvlab.model.quantized import QUANTIZE_TYPES, quant_type
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

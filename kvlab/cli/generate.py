@@ -14,15 +14,16 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TextIO
 
-from kvlab.cache.kv_cache import KV_CACHE_DTYPES, KVCache
+from kvlab.cache.dtypes import KV_CACHE_DTYPES
+from kvlab.cache.kv_cache import KVCache
 from kvlab.cli.checks import check_sampling_flags, draw_seed, drawn_seed_note
 from kvlab.cli.fmt import human_bytes, read_stdin
 from kvlab.cli.sampling_flags import add_sampling_flags, sampling_settings
-from kvlab.engine.generate import stream_generate
+from kvlab.generation.generate import stream_generate
 from kvlab.errors import ContextLengthError, InputError
 from kvlab.kernels import CompileCounter
 from kvlab.model.llama import LlamaModel
-from kvlab.prefix.prompt_cache import generate_with_prompt_cache
+from kvlab.sessions.prompt_cache import generate_with_prompt_cache
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -193,17 +194,11 @@ def generate_tokens(model: LlamaModel, prompt_ids: Sequence[int], on_token: Call
     if policy is not None:  # evictions make room: no end of context
         room = sys.maxsize if max_tokens is None or max_tokens < 0 else max_tokens
     limit = room if max_tokens is None or max_tokens < 0 else min(max_tokens, room)
-    stop = set(int(t) for t in stop_token_ids)
-    count, last = 0, None
-    for step in stream_generate(model, [prompt[cached:]], limit, cache=cache, stop_token_ids=stop,
-                                policy=policy, **sampling):
-        last = int(step[0])
-        count += 1
-        on_token(last)
-    if last is not None and last in stop:
-        return len(prompt) - cached, "eos"
-    full = limit == room and count == limit and policy is None
-    return len(prompt) - cached, ("context full" if full else "max tokens")
+    loop = stream_generate(model, [prompt[cached:]], limit, cache=cache, stop_token_ids=stop_token_ids,
+                           policy=policy, **sampling)
+    for step in loop:
+        on_token(int(step[0]))
+    return len(prompt) - cached, loop.reason.value
 
 
 def encode_prompt(tokenizer: Any, text: str, chat: bool) -> list[int]:
@@ -245,7 +240,7 @@ def stop_token_ids(model: LlamaModel, tokenizer: Any) -> list[int]:
 
 # --- the command --------------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
-    from kvlab.hf.loader import load
+    from kvlab.loader import load
 
     text = args.prompt if args.prompt is not None else read_stdin()
     if args.max_tokens == 0 or args.max_tokens < -1:

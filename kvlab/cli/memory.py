@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from rich.table import Table
 
 from kvlab.cache.memory import (DTYPE_BYTES, canonical_dtype, kv_bytes_per_token, kv_scale_bytes_per_token,
                                 tokens_in_budget)
 from kvlab.cli.fmt import console, human_bytes
-from kvlab.config import ModelConfig, tiny_config
-from kvlab.errors import ConfigError, InputError
-from kvlab.validate import int_in_range, parse_size, read_json_object
+from kvlab.config import tiny_config
+from kvlab.errors import InputError
+from kvlab.validate import int_in_range, parse_size
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -22,7 +21,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", "--model", dest="config",
                    help="an HF config.json, model folder or .gguf file; default: the tiny seed model")
     p.add_argument("--dtype", help="cache dtype: " + ", ".join(DTYPE_BYTES)
-                   + " (default: float64 for the tiny model, else the config's dtype or float16)")
+                   + " (default: what kvlab allocates: the compute dtype, float64 for the tiny model, float32 "
+                   "for a model, as generate, chat and serve run it)")
     p.add_argument("--tokens", "-c", type=int, default=None, help="cached positions per sequence "
                    "(default: max_position_embeddings)")
     p.add_argument("--batch", type=int, default=1, help="number of sequences (default 1)")
@@ -32,28 +32,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _default_dtype(path: str | None) -> str:
-    from kvlab.gguf.loader import gguf_file
+    """The cache dtype kvlab itself allocates for the model at `path`: the compute dtype, as generate, chat
+    and serve use it (K/V are cached in the dtype the model computes in unless --kv-cache-dtype says
+    otherwise). The tiny seed model computes in float64; every loaded model in kvlab.loader's default,
+    float32, whatever dtype its checkpoint stores (a float16 or bfloat16 checkpoint still computes in
+    float32)."""
+    from kvlab.loader import DEFAULT_COMPUTE_DTYPE  # lazily: `kvlab memory` loads no model code otherwise
 
-    if path is None:
-        return "float64"
-    if gguf_file(path) is not None:
-        return "float16"  # llama.cpp's default cache type
-    file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
-    raw = read_json_object(file, "config file", error=ConfigError)
-    return str(raw.get("dtype") or raw.get("torch_dtype") or "float16")
-
-
-def model_config(path: str) -> ModelConfig:
-    """The config of an HF config.json / folder, or of a GGUF file's metadata (no weights read)."""
-    from kvlab.gguf.config import config_from_metadata
-    from kvlab.gguf.loader import gguf_file
-    from kvlab.gguf.reader import read_gguf
-
-    found = gguf_file(path)
-    return config_from_metadata(read_gguf(found)) if found is not None else ModelConfig.from_file(path)
+    return "float64" if path is None else DEFAULT_COMPUTE_DTYPE  # TinyLlama (chat --tiny) computes in float64
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvlab.loader import model_config
+
     config = model_config(args.config) if args.config else tiny_config()
     try:
         dtype = canonical_dtype(args.dtype or _default_dtype(args.config))

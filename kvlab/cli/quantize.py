@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kvlab.cli.fmt import human_bytes
 from kvlab.errors import InputError
-from kvlab.quantize import QUANTIZE_TYPES, quant_type
+from kvlab.model.quantized import QUANTIZE_TYPES, quant_type
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvlab.gguf.loader import gguf_file
-    from kvlab.gguf.writer import quantize_gguf, quantize_hf
+    from kvlab.gguf.writer import quantize_gguf
 
     type_name = quant_type(args.type_name)
     source, out = Path(args.source), Path(args.output)
@@ -50,3 +50,19 @@ def run(args: argparse.Namespace) -> int:
           f"(from {human_bytes(sum(f.stat().st_size for f in ([source] if source.is_file() else source.glob('*.safetensors'))))})",
           file=sys.stderr)
     return 0
+
+
+def quantize_hf(folder: Path, out: Path, type_name: str) -> int:
+    """An HF folder (read as kvlab reads it) written as a GGUF of `type_name` matrices."""
+    import json
+
+    from kvlab.gguf.writer import write_model
+    from kvlab.hf.loader import load_tokenizer
+    from kvlab.loader import read_float_weights
+
+    config, weights = read_float_weights(folder)
+    spec_path = folder / "tokenizer.json"
+    if not spec_path.is_file():
+        raise InputError(f"{folder}: no tokenizer.json to write as the GGUF vocabulary")
+    spec = json.loads(spec_path.read_text(encoding="utf-8"))
+    return write_model(out, config, weights, spec, load_tokenizer(folder, config), type_name, folder.name)

@@ -1,6 +1,6 @@
 """The sampling flags of `generate` and `chat`, and their resolution against the model's recommendation.
 
-The flags default to None ("not given"), so `kvlab.engine.defaults.resolve_sampling` can tell a flag from
+The flags default to None ("not given"), so `kvlab.sampling.defaults.resolve_sampling` can tell a flag from
 a default: flags win, then the model's generation_config.json (or GGUF `general.sampling.*`), then
 llama.cpp's defaults.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvlab.engine.defaults import SAMPLING_KEYS, ResolvedSampling, resolve_sampling
+from kvlab.sampling.defaults import SAMPLING_KEYS, ResolvedSampling, resolve_sampling
 
 SAMPLING_HELP = ("unset sampling flags take the model's generation_config.json values, else llama.cpp's "
                  "defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05)")
@@ -30,7 +30,7 @@ def sampling_settings(args: argparse.Namespace, model_path: Any, model_known: bo
     A bad flag fails before any model file is read. `model_known=False` (e.g. chat's random TinyLlama)
     skips the model's files.
     """
-    from kvlab.hf.generation_config import model_sampling
+    from kvlab.loader import model_sampling
 
     flags = {key: getattr(args, key) for key in SAMPLING_KEYS}
     resolve_sampling(flags)

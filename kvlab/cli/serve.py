@@ -59,7 +59,8 @@ def build_engine(args: argparse.Namespace):
     """(engine, tokenizer, model name) from the flags; bad flags raise KVLabError before anything loads."""
     from kvlab.engine.engine import Engine
     from kvlab.errors import ConfigError
-    from kvlab.hf.loader import load, resolve_model_dir
+    from kvlab.hf.loader import resolve_model_dir
+    from kvlab.loader import load
 
     if args.kv_cache_memory is not None and args.num_blocks is not None:
         raise ConfigError("give --kv-cache-memory or --num-blocks, not both")
@@ -82,7 +83,7 @@ def build_engine(args: argparse.Namespace):
 def install_chat_template(tokenizer, path: Path) -> None:
     """Use the Jinja template in `path` for chat (the special-token strings come from the tokenizer)."""
     from kvlab.errors import CheckpointError
-    from kvlab.hf.chat_template import ChatTemplate
+    from kvlab.chat_template import ChatTemplate
 
     try:
         source = path.read_text(encoding="utf-8")

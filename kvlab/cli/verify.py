@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     length = validate.int_in_range(args.length, "--length", 2, 1 << 20)
     tolerance = None if args.tolerance is None else fixed_tolerance(args.tolerance)
     if args.model is not None:
-        from kvlab.hf.loader import load_model
+        from kvlab.loader import load_model
 
         if args.bidirectional:
             raise InputError("--bidirectional is the tiny model's negative control; drop --model")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from kvlab.engine.sampling import Sampler, SamplingParams
+from kvlab.sampling.sampler import Sampler, SamplingParams
 
 
 class Status(Enum):
@@ -96,6 +96,7 @@ class Request:
     params: SamplingParams
     root_key: bytes  # prefix-cache chain root: model fingerprint, dtypes, cache_salt
     max_tokens: int  # resolved: params.max_tokens, or what is left of the context
+    stop_ids: frozenset[int] = frozenset()  # resolved: stop_token_ids, plus the EOS ids unless ignore_eos
     num_cached_tokens: int = 0  # prefix hit of the first admission
     forked: bool = False
     admitted: bool = False

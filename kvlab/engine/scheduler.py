@@ -7,6 +7,10 @@ step computes. When the pool runs out, the most recently admitted running sequen
 recompute: its blocks are released (its full blocks stay cached, so re-admission hits them) and it goes
 back to the front of the waiting queue, keeping the tokens it generated. A waiting sequence starts from
 its longest prefix-cache hit, in whole blocks, always computing its last token.
+
+After the forward, `postprocess` is nano-vllm's: each sequence that reached its end gets its sampled token
+(sample 0 of an n > 1 request forks its siblings at the first one, copy-on-write), its text is detokenized
+incrementally, and the decode loop's stop rule (kvlab/generation/loop.py) decides whether it finishes.
 """
 
 from __future__ import annotations
@@ -14,9 +18,14 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvlab.cache.paged import BlockPool
+from kvlab.engine.introspection import StepCounters
 from kvlab.engine.request import Sequence, Status
+from kvlab.generation.loop import StopReason, stop_reason
 from kvlab.prefix.prefix_cache import PrefixCache
+from kvlab.sampling.sampler import top_logprobs
 
 
 @dataclass
@@ -29,16 +38,15 @@ class Scheduler:
     """Waiting queue, running list, and the block bookkeeping of admission, growth and preemption."""
 
     def __init__(self, pool: BlockPool, prefix_cache: PrefixCache, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, counters: StepCounters | None = None) -> None:
         self.pool = pool
         self.prefix_cache = prefix_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.counters = counters if counters is not None else StepCounters()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.prefix_cache_queries = 0  # tokens looked up, every admission
-        self.prefix_cache_hits = 0     # tokens found
         self._admissions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -103,9 +111,7 @@ class Scheduler:
             seq.block_table = hits + self.pool.allocate(total - len(hits))
             seq.block_keys = keys[:len(hits)]
             seq.num_computed_tokens = num_cached
-            if self.prefix_cache.enabled:
-                self.prefix_cache_queries += seq.num_tokens
-                self.prefix_cache_hits += num_cached
+            self.prefix_cache.record(seq.num_tokens, num_cached)
             if not seq.request.admitted:
                 seq.request.admitted = True
                 seq.request.num_cached_tokens = num_cached
@@ -171,3 +177,56 @@ class Scheduler:
         self.pool.release(seq.block_table)
         seq.block_table = []
         seq.block_keys = []
+
+    # --- after the forward ---------------------------------------------------------------------------------
+    def postprocess(self, sampled: list[Sequence], logits: np.ndarray) -> None:
+        """Sample each sequence's next token from its logits row (forking siblings at the first one), then
+        detokenize and apply the stop rule."""
+        for row, seq in enumerate(sampled):
+            self._append_tokens(seq, logits[row])
+
+    def _append_tokens(self, seq: Sequence, logits: np.ndarray) -> None:
+        request = seq.request
+        targets = [seq]
+        if not request.forked:  # sample 0 has just finished the prompt: the other samples start here
+            for child in request.seqs[1:]:
+                self.fork(seq, child)
+                targets.append(child)
+            request.forked = True
+        for target in targets:
+            token = int(target.sampler(logits[None])[0])
+            target.token_ids.append(token)
+            self.counters.num_generation_tokens += 1
+            if target.logprobs is not None:
+                target.logprobs.append(top_logprobs(logits, token, request.params.logprobs))
+            self._check_stop(target, token)
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        params = seq.request.params
+        num_new = len(seq.token_ids) - seq.request.num_prompt_tokens
+        reason = stop_reason(token, num_new, seq.request.stop_ids, seq.request.max_tokens)
+        if seq.decoder is not None and reason is not StopReason.EOS:  # a stop token is kept in ids, not text
+            before = len(seq.text)
+            seq.text += seq.decoder.push(token)
+            if params.stop:
+                longest = max(len(s) for s in params.stop)
+                window = max(0, before - longest + 1)
+                found = [i for i in (seq.text.find(s, window) for s in params.stop) if i >= 0]
+                if found:
+                    seq.text_end = min(found)
+                    reason = StopReason.STOP_STRING
+        if reason is not None:
+            self.finish(seq, reason.finish_reason)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End `seq` with finish reason "stop", "length" or "abort"; its blocks go back to the pool."""
+        if seq.status is not Status.PENDING_FORK:
+            self.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        if seq.decoder is not None and seq.text_end is None:
+            seq.text += seq.decoder.flush()
+        if seq.index == 0 and not seq.request.forked:  # the samples that were to fork from it end too
+            for sibling in seq.request.seqs[1:]:
+                if not sibling.finished():
+                    self.finish(sibling, reason)

@@ -21,7 +21,7 @@ from kvlab.gguf.config import config_from_metadata
 from kvlab.gguf.reader import GGUFFile, read_gguf
 from kvlab.gguf.tensors import read_weights, weight_plan
 from kvlab.gguf.tokenizer import tokenizer_from_metadata
-from kvlab.hf.progress import weight_progress
+from kvlab.progress import weight_progress
 from kvlab.model.llama import LlamaModel
 from kvlab.tokenizer import HFTokenizer
 

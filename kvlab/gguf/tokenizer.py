@@ -23,7 +23,7 @@ import numpy as np
 
 from kvlab.errors import CheckpointError
 from kvlab.gguf.reader import GGUFFile
-from kvlab.hf.chat_template import ChatTemplate
+from kvlab.chat_template import ChatTemplate
 from kvlab.tokenizer import HFTokenizer
 
 CONTROL, USER_DEFINED = 3, 4

@@ -142,38 +142,30 @@ def bpe_pre_name(tokenizer_json: dict) -> str:
                      "knows; convert with llama.cpp's convert_hf_to_gguf.py and run kvlab quantize on that file")
 
 
-def quantize_hf(folder: Path, out: Path, type_name: str,
-                progress: Callable[[str], None] | None = None) -> int:
-    """An HF folder's config, tokenizer and weights as a GGUF file of `type_name` matrices."""
-    import json
-
-    from kvlab.quantize import read_float_weights
-
-    config, weights = read_float_weights(folder)
+def write_model(out: Path, config: Any, weights: dict[str, np.ndarray], tokenizer_spec: dict, tokenizer: Any,
+                type_name: str, name: str, progress: Callable[[str], None] | None = None) -> int:
+    """A model read from an HF folder (config, float weights by HF name, its tokenizer.json as a dict and
+    the loaded tokenizer) as a GGUF file of `type_name` matrices; returns the number of tensors."""
     arch = ARCHITECTURES.get(config.architecture)
     if arch is None:
-        raise InputError(f"{folder}: architecture {config.architecture} cannot be written to GGUF here")
-    tokenizer_path = folder / "tokenizer.json"
-    if not tokenizer_path.is_file():
-        raise InputError(f"{folder}: no tokenizer.json to write as the GGUF vocabulary")
-    spec = json.loads(tokenizer_path.read_text(encoding="utf-8"))
-    pre = bpe_pre_name(spec)
-    from kvlab.hf.loader import load_tokenizer
-
-    tokenizer = load_tokenizer(folder, config)
-    vocab = spec["model"]["vocab"]
+        raise InputError(f"architecture {config.architecture} cannot be written to GGUF here")
+    if config.rope_scaling is not None:
+        raise InputError("RoPE scaling is not written to GGUF here; convert with llama.cpp's "
+                         "convert_hf_to_gguf.py and run kvlab quantize on that file")
+    pre = bpe_pre_name(tokenizer_spec)
+    vocab = tokenizer_spec["model"]["vocab"]
     tokens = [""] * max(config.vocab_size, len(vocab))
     for token, index in vocab.items():
         tokens[index] = token
-    special = {t["id"]: t["content"] for t in spec.get("added_tokens", [])}
+    special = {t["id"]: t["content"] for t in tokenizer_spec.get("added_tokens", [])}
     for index, content in special.items():
         tokens[index] = content
     tokens = tokens[:config.vocab_size] + [f"[PAD{i}]" for i in range(len(tokens), config.vocab_size)]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer_spec["model"].get("merges", [])]
     types = [3 if i in special else 1 for i in range(len(tokens))]
 
     def fill(writer: Any) -> None:
-        writer.add_name(folder.name)
+        writer.add_name(name)
         writer.add_context_length(config.max_position_embeddings)
         writer.add_block_count(config.num_hidden_layers)
         writer.add_embedding_length(config.hidden_size)
@@ -203,17 +195,17 @@ def quantize_hf(folder: Path, out: Path, type_name: str,
         template = getattr(tokenizer.chat_template, "source", None) if tokenizer.chat_template else None
         if template:
             writer.add_chat_template(template)
-        for i, (name, weight) in enumerate(weights.items()):
+        for i, (hf_name, weight) in enumerate(weights.items()):
             if progress:
-                progress(f"tensor {i + 1}/{len(weights)}: {name}")
-            if name == "lm_head.weight" and config.tie_word_embeddings:
+                progress(f"tensor {i + 1}/{len(weights)}: {hf_name}")
+            if hf_name == "lm_head.weight" and config.tie_word_embeddings:
                 continue
-            if arch == "llama" and ".self_attn.q_proj." in name:
+            if arch == "llama" and ".self_attn.q_proj." in hf_name:
                 weight = permute_rows(weight, config.num_attention_heads)
-            elif arch == "llama" and ".self_attn.k_proj." in name:
+            elif arch == "llama" and ".self_attn.k_proj." in hf_name:
                 weight = permute_rows(weight, config.num_key_value_heads)
             data, kind = _encode(weight, type_name)
-            writer.add_tensor(gguf_tensor_name(name), data, raw_dtype=kind)
+            writer.add_tensor(gguf_tensor_name(hf_name), data, raw_dtype=kind)
 
     _atomic_gguf(out, fill, arch)
     return len(weights)

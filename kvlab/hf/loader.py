@@ -17,8 +17,8 @@ import numpy as np
 from kvlab import validate
 from kvlab.config import ModelConfig
 from kvlab.errors import CheckpointError, ConfigError
-from kvlab.hf.chat_template import ChatTemplate
-from kvlab.hf.progress import weight_progress
+from kvlab.chat_template import ChatTemplate
+from kvlab.progress import weight_progress
 from kvlab.hf.safetensors import SafetensorsHeader, open_tensors, read_header
 from kvlab.model.llama import LlamaModel
 from kvlab.model.weights import HALF_DTYPES, IGNORED_SUFFIXES, expected_shapes, optional_shapes
@@ -142,16 +142,12 @@ def read_weights(headers: list[SafetensorsHeader], dtype: np.dtype, progress: bo
 
 def load_model(path: str | Path | None = None, dtype: Any = "float32", progress: bool | None = None,
                weights_dtype: str = "auto", backend: str | None = None) -> LlamaModel:
-    """The model of an HF folder or a GGUF file (None: the default model), computing in float32 (or float64).
+    """The model of an HF folder (None: the default model), computing in float32 (or float64).
 
     weights_dtype "auto" keeps a float16/bfloat16 checkpoint's matrices as stored (half the bytes a decode
     step reads; the math stays float32); "float32" casts them. backend: None/"auto", "numba" or "numpy".
-    GGUF files are dequantized into the compute dtype.
+    A .gguf file is kvlab.loader's to choose (it calls kvlab/gguf/loader.py).
     """
-    from kvlab.gguf.loader import gguf_file, load_gguf
-
-    if gguf_file(path) is not None:
-        return load_gguf(path, dtype, progress, backend=backend)[0]
     folder = resolve_model_dir(path)
     dtype = validate.compute_dtype(dtype, error=ConfigError)
     config = load_config(folder)
@@ -251,15 +247,10 @@ def load_tokenizer(path: str | Path | None = None, config: ModelConfig | None = 
 
 def load(path: str | Path | None = None, dtype: Any = "float32", progress: bool | None = None,
          weights_dtype: str = "auto", backend: str | None = None) -> tuple[LlamaModel, HFTokenizer]:
-    """`model, tokenizer = kvlab.load(path)`; without a path, the default model shipped with kvlab.
+    """(model, tokenizer) of an HF folder; without a path, the default model shipped with kvlab.
 
-    `path` is an HF folder, a .gguf file or a folder holding one. The tokenizer is read first (it is
-    small), so a folder without one fails before the weights load.
+    The tokenizer is read first (it is small), so a folder without one fails before the weights load.
     """
-    from kvlab.gguf.loader import gguf_file, load_gguf
-
-    if gguf_file(path) is not None:
-        return load_gguf(path, dtype, progress, backend=backend)
     folder = resolve_model_dir(path)
     config = load_config(folder)
     tokenizer = load_tokenizer(folder, config)

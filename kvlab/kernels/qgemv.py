@@ -1,13 +1,13 @@
 """Matrix-vector and small-batch products over quantized weights, read as codes, scales and offsets.
 
 A weight row of a quantized matrix is groups of 16 or 32 integer codes with one scale (and offset) per
-group (kvlab/gguf/blocks.py). Per group and row of x the kernel forms the integer-coded dot product
+group (kvlab/model/ggml_quants.py). Per group and row of x the kernel forms the integer-coded dot product
 sum_j x_j c_j in float32 and applies the group's scale once: sum_g (s_g sum_j x_j c_j + o_g sum_j x_j),
 where the group sums of x (for offsets) are computed once per product, not once per weight row. That is
 the dequantized product up to summation order: the codes are exact small integers and scale, offset are
 the file's. Codes are widened in registers from int8 or from nibbles; rows of x go four at a time, so a
 group's codes, read once, feed four accumulators (batched decode reuses each block across rows). Output
-rows are split over the threads. The NumPy twin is `blocks.dequantize` followed by `x @ W.T`.
+rows are split over the threads. The NumPy twin is `ggml_quants.dequantize` followed by `x @ W.T`.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def qmatvec(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, offsets: np.nd
             group: int) -> np.ndarray:
     """x [M, K] (float32, C-contiguous) @ W.T for W [N, K] as codes/scales/offsets; [M, N] float32.
 
-    scales/offsets float32 (float16 as int16 bits works too, slower: see gguf/blocks.py)."""
+    scales/offsets float32 (float16 as int16 bits works too, slower: see model/ggml_quants.py)."""
     out = np.empty((x.shape[0], codes.shape[0]), dtype=x.dtype)
     nibbles = codes.dtype == np.uint8
     if offsets is None:

@@ -1,4 +1,4 @@
-"""A weight matrix kept quantized: GGUF's block types as codes, scales and offsets (kvlab/gguf/blocks.py).
+"""A weight matrix kept quantized: GGUF's block types as codes, scales and offsets (model/ggml_quants.py).
 
 A Q4_1 file is 92 MiB; dequantized to float32 it was 538 MB that every decode step read. Kept as codes,
 a decode step reads the codes and one scale (and offset) per group, and widens them in registers
@@ -14,13 +14,16 @@ row concatenation (q/k/v and gate/up are fused on load when their types agree) a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
-from kvlab.gguf.blocks import BLOCK_SIZES, Unpacked, dequantize, unpack
+from kvlab.errors import InputError
+from kvlab.model.ggml_quants import BLOCK_SIZES, Unpacked, dequantize, unpack
 
 MAX_KERNEL_ROWS = 16
+# Types kvlab can encode (llama.cpp's reference encoders in the gguf package); every ggml_quants type reads.
+QUANTIZE_TYPES = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
 TILE_VALUES = 1 << 18  # float32 values of one dequantized tile in a prefill product (1 MiB: stays in L2)
 
 
@@ -138,3 +141,23 @@ class QuantizedMatrix:
             tile = self.dequantize(x.dtype, slice(start, start + step))
             np.matmul(x, tile.T, out=out[:, start:start + tile.shape[0]])
         return out
+
+
+def quant_type(name: str) -> str:
+    """'q8_0' / 'Q8_0' -> 'Q8_0'; InputError naming the choices for anything else."""
+    if not isinstance(name, str) or name.lower() not in QUANTIZE_TYPES:
+        raise InputError(f"unknown weight quantization {name!r}; choose from {', '.join(QUANTIZE_TYPES)}")
+    return name.upper()
+
+
+def quantize_weights(weights: Mapping[str, np.ndarray], type_name: str,
+                     ) -> dict[str, np.ndarray | QuantizedMatrix]:
+    """Every 2-D float matrix of `weights` (embeddings and LM head included, as llama-quantize does for a
+    single --type) as a QuantizedMatrix of `type_name`; 1-D tensors (norms, biases) unchanged."""
+    kind = quant_type(type_name)
+    return {name: QuantizedMatrix.quantize(w, kind) if np.ndim(w) == 2 else w for name, w in weights.items()}
+
+
+def dequantized(weights: Mapping[str, np.ndarray | QuantizedMatrix]) -> dict[str, np.ndarray]:
+    """Quantized matrices as float32 arrays of their exact values (for a float model of the same weights)."""
+    return {name: w.dequantize() if isinstance(w, QuantizedMatrix) else w for name, w in weights.items()}

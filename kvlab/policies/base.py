@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvlab import validate
 from kvlab.errors import InputError
 
 
@@ -39,10 +40,15 @@ class Policy:
 
 def positive_int(value: object, what: str, low: int = 1) -> int:
     """`value` as an int >= low, or InputError naming `what`."""
-    try:
-        number = int(str(value))
-    except ValueError:
-        raise InputError(f"{what} must be an integer, got {value!r}") from None
+    if isinstance(value, str):  # the digits of a policy spec ("window:64")
+        try:
+            number = int(value)
+        except ValueError:
+            raise InputError(f"{what} must be an integer, got {value!r}") from None
+    elif validate.is_int(value):  # the one int check: not a bool, not a float
+        number = int(value)
+    else:
+        raise InputError(f"{what} must be an integer, got {value!r}")
     if number < low:
         raise InputError(f"{what} must be >= {low}, got {number}")
     return number

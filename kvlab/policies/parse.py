@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvlab.cache.kv_cache import resolve_kv_dtype
+from kvlab.cache.dtypes import resolve_kv_dtype
 from kvlab.errors import InputError
 from kvlab.policies.base import Policy
 from kvlab.policies.h2o import HeavyHitters

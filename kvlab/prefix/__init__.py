@@ -1,6 +1,6 @@
-"""Multi-turn reuse of the KV cache: sessions that keep their cache across turns, and session files."""
+"""The prefix cache across requests, below the engine: chained block keys and the registry of full blocks."""
 
-from kvlab.prefix.match import common_prefix_length
-from kvlab.prefix.session import Session, Turn
+from kvlab.prefix.block_hash import block_key, root_key
+from kvlab.prefix.prefix_cache import CachedBlock, PrefixCache, PrefixCacheListener
 
-__all__ = ["Session", "Turn", "common_prefix_length"]
+__all__ = ["CachedBlock", "PrefixCache", "PrefixCacheListener", "block_key", "root_key"]

@@ -1,61 +1,235 @@
 """The prefix cache across requests: full blocks found by chained key, verified token by token.
 
-`match` walks a token list block by block from a root key and returns the cached blocks holding its
-longest cached prefix; every hit is checked against the block's stored token ids and parent key, never
-trusted on the hash alone. `insert` registers a request's newly computed full blocks. Storage, ref counts
-and LRU eviction belong to the BlockPool; this module only decides keys and what counts as a hit.
+One object owns everything about reuse (SGLang radix_cache's small API): the registry (key -> block, block
+-> what was registered), the LRU of unreferenced cached blocks, hit statistics and a lock. The BlockPool
+below it only allocates and counts references; the cache attaches itself to the pool as its Evictor, so a
+block whose last reference drops stays findable (evictable) and the pool takes the least recently used one
+back when it runs dry.
+
+- `match(token_ids, root)`: the cached blocks holding the longest prefix, in whole blocks. Every hit is
+  checked against the block's stored token ids and parent key, never trusted on the hash alone.
+- `insert(block_table, token_ids, root, num_computed_tokens, known_keys)`: register newly full, computed
+  blocks; returns the new keys and how many were already there (held by another block: left unregistered,
+  so they are freed, not cached, when released).
+- `evict_all()`, `evictable_size` / `protected_size`, `check_invariants`.
+
+Two hook points for a shared K/V tier (kvlab's issue 23), on `PrefixCacheListener`: `block_stored` after a
+full block is registered (publish it), `block_removed` when one is evicted, and `prefix_miss` when a local
+match stops short (the tier may load the next blocks into the pool and `register` them; the match then
+continues from where it stopped).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol, Sequence
 
 from kvlab.cache.paged import BlockPool
+from kvlab.errors import InputError
 from kvlab.prefix.block_hash import block_key
 
 
+@dataclass(frozen=True)
+class CachedBlock:
+    """What was registered for a full block: its key, its parent's key and its token ids."""
+
+    key: bytes
+    parent: bytes | None
+    token_ids: tuple[int, ...]
+
+
+class Inserted(NamedTuple):
+    """What `insert` did: the keys of the blocks it looked at (in table order) and how many of those keys
+    another block already held (what was already there)."""
+
+    keys: list[bytes]
+    existing: int
+
+
+_NOTHING = Inserted([], 0)
+
+
+class PrefixCacheListener(Protocol):
+    """Hooks for a tier beside the local cache (e.g. a shared K/V store); every method may do nothing."""
+
+    def block_stored(self, block: int, info: CachedBlock) -> None:
+        """A full, computed block was registered under `info.key` (after every layer wrote it)."""
+
+    def block_removed(self, info: CachedBlock) -> None:
+        """A cached block was evicted: its key no longer finds anything here."""
+
+    def prefix_miss(self, cache: "PrefixCache", token_ids: Sequence[int], parent: bytes, start: int) -> None:
+        """The local match stopped at token `start` (a block boundary) under `parent`. A tier may allocate
+        blocks, write their K/V, `cache.register` them and release them; the match then continues."""
+
+
 class PrefixCache:
-    """Chained-key lookup and registration of full blocks held in a BlockPool."""
+    """Chained-key registry, LRU and statistics of the full blocks held in a BlockPool."""
 
     def __init__(self, pool: BlockPool, enabled: bool = True) -> None:
         self.pool = pool
         self.enabled = enabled
+        self.listeners: list[PrefixCacheListener] = []
+        self.queries = 0  # prompt tokens looked up, every admission
+        self.hits = 0     # of those, tokens found
+        self._cached: dict[bytes, int] = {}                      # key -> block
+        self._block_info: dict[int, CachedBlock] = {}            # block -> what was registered
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 and cached, LRU first
+        self._roots: set[bytes] = set()  # chain roots seen: a block whose parent is one starts a chain
+        self._lock = threading.RLock()   # the engine drives one thread; a shared tier may call from another
+        if enabled:
+            pool.attach(self)
 
+    # --- lookup --------------------------------------------------------------------------------------------
     def match(self, token_ids: Sequence[int], root: bytes) -> tuple[list[int], list[bytes]]:
         """The cached blocks holding the longest prefix of `token_ids` (whole blocks), and their keys."""
         if not self.enabled:
             return [], []
+        with self._lock:
+            blocks: list[int] = []
+            keys: list[bytes] = []
+            self._walk(token_ids, root, blocks, keys)
+            if self.listeners and (len(blocks) + 1) * self.pool.block_size <= len(token_ids):
+                for listener in self.listeners:
+                    listener.prefix_miss(self, token_ids, keys[-1] if keys else root, len(blocks) * self.pool.block_size)
+                self._walk(token_ids, root, blocks, keys)
+            return blocks, keys
+
+    def _walk(self, token_ids: Sequence[int], root: bytes, blocks: list[int], keys: list[bytes]) -> None:
+        """Extend (blocks, keys) block by block while the next block is cached and verified."""
         size = self.pool.block_size
-        blocks: list[int] = []
-        keys: list[bytes] = []
-        parent = root
-        for start in range(0, len(token_ids) - size + 1, size):
+        parent = keys[-1] if keys else root
+        for start in range(len(blocks) * size, len(token_ids) - size + 1, size):
             chunk = tuple(int(t) for t in token_ids[start:start + size])
             key = block_key(parent, chunk)
-            block = self.pool.lookup(key)
+            block = self._cached.get(key)
             if block is None:
-                break
-            info = self.pool.cached_info(block)
+                return
+            info = self._block_info.get(block)
             if info is None or info.token_ids != chunk or info.parent != parent:
-                break  # a hash collision or a stale entry: recompute rather than trust the key
+                return  # a hash collision or a stale entry: recompute rather than trust the key
             blocks.append(block)
             keys.append(key)
             parent = key
-        return blocks, keys
 
-    def insert(self, block_table: Sequence[int], token_ids: Sequence[int], keys: list[bytes],
-               root: bytes, num_computed_tokens: int) -> None:
-        """Register the full, computed blocks of a block table that have no key yet.
+    def lookup(self, key: bytes) -> int | None:
+        return self._cached.get(key)
 
-        `keys` is the request's chain so far (extended in place), so each block is hashed once. A block whose
-        key another block already holds stays unregistered (it is freed, not cached, when released).
+    def cached_info(self, block: int) -> CachedBlock | None:
+        return self._block_info.get(block)
+
+    def chain_parent(self, info: CachedBlock) -> bytes | None:
+        """The parent key of a cached block, or None when the block starts a chain (its parent is a root)."""
+        return None if info.parent is None or info.parent in self._roots else info.parent
+
+    def record(self, num_queried: int, num_hit: int) -> None:
+        """Count one admission's lookup: `num_queried` prompt tokens, `num_hit` of them found."""
+        if self.enabled:
+            self.queries += num_queried
+            self.hits += num_hit
+
+    # --- registration --------------------------------------------------------------------------------------
+    def insert(self, block_table: Sequence[int], token_ids: Sequence[int], root: bytes,
+               num_computed_tokens: int, known_keys: Sequence[bytes] = ()) -> Inserted:
+        """Register the full, computed blocks of a block table beyond the `known_keys` it already has.
+
+        Call it only once every layer has written the blocks (their K/V are then final). Returns the keys of
+        the new full blocks (extend the caller's chain with them, so each block is hashed once) and how many
+        of them another block already held (those stay unregistered: freed, not cached, when released).
         """
-        if not self.enabled:
-            return
         size = self.pool.block_size
-        for index in range(len(keys), num_computed_tokens // size):
-            parent = keys[-1] if keys else root
-            chunk = token_ids[index * size:(index + 1) * size]
-            key = block_key(parent, chunk)
-            self.pool.register(block_table[index], key, parent, chunk)
-            keys.append(key)
+        if not self.enabled or num_computed_tokens // size <= len(known_keys):
+            return _NOTHING
+        with self._lock:
+            self._roots.add(root)
+            keys: list[bytes] = []
+            existing = 0
+            parent = known_keys[-1] if known_keys else root
+            for index in range(len(known_keys), num_computed_tokens // size):
+                chunk = token_ids[index * size:(index + 1) * size]
+                key = block_key(parent, chunk)
+                existing += not self.register(block_table[index], key, parent, chunk)
+                keys.append(key)
+                parent = key
+            return Inserted(keys, existing)
+
+    def register(self, block: int, key: bytes, parent: bytes | None, token_ids: Sequence[int]) -> bool:
+        """Make a full in-use block findable under `key`. False (nothing changes) if the key is taken."""
+        with self._lock:
+            if key in self._cached or block in self._block_info:
+                return False
+            if self.pool.ref_counts[block] <= 0:
+                raise InputError(f"block {block} is not in use: only computed blocks can be cached")
+            info = CachedBlock(key, parent, tuple(int(t) for t in token_ids))
+            self._cached[key] = block
+            self._block_info[block] = info
+            for listener in self.listeners:
+                listener.block_stored(block, info)
+            return True
+
+    # --- the pool's Evictor --------------------------------------------------------------------------------
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    def evictable_blocks(self) -> set[int]:
+        return set(self._evictable)
+
+    def hold(self, block: int) -> bool:
+        with self._lock:
+            if block not in self._block_info:
+                return False
+            self._evictable[block] = None
+            return True
+
+    def revive(self, block: int) -> bool:
+        with self._lock:
+            if block not in self._evictable:
+                return False
+            del self._evictable[block]
+            return True
+
+    def evict_lru(self) -> int:
+        with self._lock:
+            block, _ = self._evictable.popitem(last=False)
+            self._forget(block)
+            return block
+
+    def evict_all(self) -> int:
+        """Forget every evictable cached block (they become free); returns how many."""
+        with self._lock:
+            count = len(self._evictable)
+            while self._evictable:
+                self.pool.free_evicted(self.evict_lru())
+            return count
+
+    def _forget(self, block: int) -> None:
+        info = self._block_info.pop(block)
+        del self._cached[info.key]
+        for listener in self.listeners:
+            listener.block_removed(info)
+
+    # --- sizes and checks ----------------------------------------------------------------------------------
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered, in use or not."""
+        return len(self._cached)
+
+    @property
+    def evictable_size(self) -> int:
+        """Cached blocks nobody references (SGLang's evictable size), in blocks."""
+        return len(self._evictable)
+
+    @property
+    def protected_size(self) -> int:
+        """Cached blocks some request references (they cannot be evicted now), in blocks."""
+        return len(self._block_info) - len(self._evictable)
+
+    def check_invariants(self, free: set[int]) -> None:
+        """Every evictable block is cached and unreferenced; no free block is registered; the two maps agree."""
+        assert set(self._evictable) <= set(self._block_info), "an evictable block is not cached"
+        assert all(self.pool.ref_counts[b] == 0 for b in self._evictable), "an evictable block is referenced"
+        assert not (free & set(self._block_info)), "a free block is still registered"
+        assert {b: k for k, b in self._cached.items()} == {b: i.key for b, i in self._block_info.items()}

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
-from kvlab.engine.sampling import SamplingParams
+from kvlab.sampling.sampler import SamplingParams
 
 MAX_LOGPROBS = 20          # OpenAI's bound for logprobs / top_logprobs
 MAX_N = 64

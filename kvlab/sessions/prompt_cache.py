@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 
 from kvlab import validate
 from kvlab.model.llama import LlamaModel
-from kvlab.prefix.session import Session, Turn
+from kvlab.sessions.session import Session, Turn
 
 
 @dataclass(frozen=True)
@@ -56,16 +56,11 @@ def generate_with_prompt_cache(model: LlamaModel, prompt_ids: Any, path: str | P
     limit = room if max_new_tokens is None else min(max_new_tokens, room)
     turn = session.feed(tokens)
     new_tokens = []
-    for token in session.stream(limit, stop_token_ids=stop, **sampling):
+    loop = session.stream(limit, stop_token_ids=stop, **sampling)
+    for token in loop:
         new_tokens.append(token)
         if on_token is not None:
             on_token(token)
     session.save(path)
-    if new_tokens and new_tokens[-1] in stop:
-        reason = "eos"
-    elif session.num_cached_tokens == session.context_length:
-        reason = "context full"
-    else:
-        reason = "max tokens"
-    return PromptCacheRun(new_tokens=new_tokens, turn=turn, restored=restored, stop_reason=reason,
+    return PromptCacheRun(new_tokens=new_tokens, turn=turn, restored=restored, stop_reason=loop.reason.value,
                           session=session)

@@ -25,11 +25,12 @@ from kvlab import validate
 from kvlab.cache.contiguous import MIN_CAPACITY
 from kvlab.cache.kv_cache import KVCache
 from kvlab.cache.memory import MemoryReport
-from kvlab.engine.sampling import Sampler, SamplingParams
+from kvlab.sampling.sampler import Sampler, SamplingParams
 from kvlab.errors import CheckpointError, ContextLengthError, InputError
-from kvlab.model.llama import LlamaModel, validate_ids
-from kvlab.prefix.match import common_prefix_length
-from kvlab.prefix.persist import read_session_file, write_session_file
+from kvlab.generation.loop import DecodeLoop
+from kvlab.model.llama import LlamaModel
+from kvlab.sessions.match import common_prefix_length
+from kvlab.sessions.persist import read_session_file, write_session_file
 
 
 @dataclass(frozen=True)
@@ -98,11 +99,11 @@ class Session:
             raise InputError(f"a session holds one sequence: give 1-D token ids, got shape {array.shape}")
         if array.size == 0:
             raise InputError("the token sequence is empty: a turn needs at least one token")
-        validate_ids(array[None], self.model.config.vocab_size)
+        tokens = validate.token_ids(array, "token ids", self.model.config.vocab_size, allow_single=False)
         if array.size > self.context_length:
             raise ContextLengthError(f"{array.size} tokens exceed the model's context of "
                                      f"{self.context_length} tokens (max_position_embeddings)")
-        return array.astype(np.int64).tolist()
+        return tokens
 
     def feed(self, token_ids: Any) -> Turn:
         """Bring the session to the full conversation `token_ids`, computing only what is not cached."""
@@ -151,17 +152,15 @@ class Session:
         sampler = Sampler(SamplingParams(temperature, top_k, top_p, min_p, seed))
         self.cache.check_compatible(self.model.cache_spec, 1)
         stop = frozenset(validate.token_ids(stop_token_ids, "stop_token_ids", self.model.config.vocab_size))
-        return self._steps(int(max_new_tokens), sampler, stop)
+        return DecodeLoop(self._step, sampler, int(max_new_tokens), stop, room=room, feed_back=True, single=True)
 
-    def _steps(self, max_new_tokens: int, sampler: Sampler, stop: frozenset[int]) -> Iterator[int]:
-        for _ in range(max_new_tokens):
-            if self._logits is None:  # restored or interrupted: the last token's logits need a forward
-                self._extend(len(self._tokens) - 1, self._tokens[-1:])
-            token = int(sampler(self._logits[None])[0])
-            self._extend(len(self._tokens), [token])
-            yield token
-            if token in stop:
-                return
+    def _step(self, tokens: np.ndarray | None) -> np.ndarray:
+        """The decode loop's step: the logits after the last token (tokens None), or after feeding `tokens`."""
+        if tokens is not None:
+            self._extend(len(self._tokens), [int(tokens[0, 0])])
+        elif self._logits is None:  # restored or interrupted: the last token's logits need a forward
+            self._extend(len(self._tokens) - 1, self._tokens[-1:])
+        return self._logits[None]
 
     def generate(self, max_new_tokens: int | None = None, **sampling: Any) -> list[int]:
         """The new token ids as a list; see `stream`."""

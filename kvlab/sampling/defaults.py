@@ -10,12 +10,15 @@ llama.cpp's defaults apply. The result says where each value came from, for the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from kvlab.engine.sampling import SamplingParams
+from kvlab.errors import ConfigError
+from kvlab.sampling.sampler import SamplingParams
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p")
+UNSUPPORTED = ("repetition_penalty",)  # recommended by some models; kvlab's sampler has no such setting
 LLAMA_CPP_DEFAULTS: dict[str, Any] = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 NEUTRAL: dict[str, Any] = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
 
@@ -65,6 +68,22 @@ class ResolvedSampling:
         if self.ignored:
             text += f"; not applied (kvlab has no such sampler setting): {', '.join(self.ignored)}"
         return text
+
+
+def checked_setting(key: str, value: Any, source: str, name: str | None = None) -> Any:
+    """The value of sampling setting `key` as the sampler wants it, or a ConfigError naming the file and
+    the field (`name`, the file's spelling of the key)."""
+    name = name or key
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{source}: {name} must be a number, got {value!r}")
+    if key == "top_k":
+        if value != int(value):
+            raise ConfigError(f"{source}: {name} must be an integer, got {value!r}")
+        return max(int(value), 0)  # -1 and 0 both mean off
+    ok = {"temperature": value >= 0, "top_p": 0 < value <= 1, "min_p": 0 <= value <= 1}[key]
+    if not ok:
+        raise ConfigError(f"{source}: {name} {value!r} is out of range")
+    return float(value)
 
 
 def resolve_sampling(flags: Mapping[str, Any], model: ModelSampling | None = None) -> ResolvedSampling:

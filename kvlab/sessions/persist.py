@@ -28,7 +28,8 @@ import numpy as np
 import safetensors.numpy
 
 from kvlab import validate
-from kvlab.cache.kv_cache import KVCache, resolve_kv_dtype
+from kvlab.cache.dtypes import resolve_kv_dtype
+from kvlab.cache.kv_cache import KVCache
 from kvlab.errors import CacheMismatchError, CheckpointError, InputError
 from kvlab.hf.safetensors import SafetensorsHeader, parse_header, tensors_from_buffer
 from kvlab.model.llama import LlamaModel

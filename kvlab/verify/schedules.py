@@ -14,9 +14,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kvlab.cache.paged import BlockPool
+from kvlab.cache.paged import BlockPool, slot_mapping
 from kvlab.engine.engine import Engine
-from kvlab.engine.sampling import SamplingParams
+from kvlab.sampling.sampler import SamplingParams
 from kvlab.model.batch import BatchInput, forward_batch
 from kvlab.model.llama import LlamaModel
 
@@ -38,9 +38,8 @@ def paged_logits(model: LlamaModel, prompts: Sequence[Sequence[int]], chunks: Se
                 continue
             n, start = queues[s].pop(0), done[s]
             tables[s] += pool.allocate(pool.blocks_for(start + n) - len(tables[s]))
-            positions = np.arange(start, start + n)
             ids.extend(prompt[start:start + n])
-            slots.append(np.asarray(tables[s])[positions // block_size] * block_size + positions % block_size)
+            slots.append(slot_mapping(tables[s], start, n, block_size))
             qlens.append(n)
             members.append(s)
             done[s] += n

@@ -1,19 +1,23 @@
-"""The generate loop: prefill the prompt once, then decode one token per step from the cache.
+"""`generate` / `stream_generate`: a batch of prompts over one KVCache, without the engine.
 
-`stream_generate` yields each step's tokens as they are chosen; `generate` collects them. With
-`use_cache=False` every step recomputes the whole prefix instead (same tokens, for comparison).
+The loop is kvlab/generation/loop.py's DecodeLoop (prefill once, then one token per step from the cache);
+this module checks the arguments and supplies the step. `stream_generate` yields each step's tokens as they
+are chosen; `generate` collects them. With `use_cache=False` every step recomputes the whole prefix instead
+(same tokens, for comparison).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
 from kvlab import validate
-from kvlab.cache.kv_cache import KVCache, resolve_kv_dtype
-from kvlab.engine.sampling import Sampler, SamplingParams
+from kvlab.cache.dtypes import resolve_kv_dtype
+from kvlab.cache.kv_cache import KVCache
+from kvlab.sampling.sampler import Sampler, SamplingParams
 from kvlab.errors import ContextLengthError, InputError
+from kvlab.generation.loop import DecodeLoop
 from kvlab.model.llama import LlamaModel, validate_ids
 from kvlab.policies.apply import check_policy, forward_with_policy
 from kvlab.policies.base import Policy
@@ -24,7 +28,7 @@ def stream_generate(model: LlamaModel, ids: Any, max_new_tokens: int | None = No
                     seed: int | None = None, stop_token_ids: Iterable[int] = (),
                     pad_token_id: int | None = None, use_cache: bool = True,
                     cache: KVCache | None = None, kv_dtype: object = None,
-                    policy: Policy | None = None) -> Iterator[np.ndarray]:
+                    policy: Policy | None = None) -> DecodeLoop:
     """Yield a [B] array of token ids per step.
 
     `ids` [B, T] is the prompt (with a `cache`, only the positions after it). A row that emits one of
@@ -70,36 +74,33 @@ def stream_generate(model: LlamaModel, ids: Any, max_new_tokens: int | None = No
             f"{start + ids.shape[1]} prompt tokens + {max_new_tokens} new tokens exceed the model's "
             f"context of {context} tokens (max_position_embeddings)")
     if max_new_tokens == 0:
-        return iter(())
+        return DecodeLoop(lambda tokens: np.zeros(0), Sampler(params), 0, stop, pad=pad)
     if use_cache and cache is None:
         capacity = start + ids.shape[1] + max_new_tokens
         cache = model.new_cache(ids.shape[0], kv_dtype, capacity if policy is None else min(capacity, policy.budget))
     if policy is not None:
         policy.start(cache)
     # Everything above runs at call time, so bad arguments raise here, not at the first next().
-    return _steps(model, ids, int(max_new_tokens), Sampler(params), stop, pad, use_cache, cache, policy)
+    return DecodeLoop(_step(model, ids, use_cache, cache, policy), Sampler(params), int(max_new_tokens), stop,
+                      pad=pad, room=None if policy is not None else room + 1)
 
 
-def _steps(model: LlamaModel, ids: np.ndarray, max_new_tokens: int, sampler: Sampler, stop: np.ndarray,
-           pad: int, use_cache: bool, cache: KVCache | None,
-           policy: Policy | None = None) -> Iterator[np.ndarray]:
-    finished = np.zeros(ids.shape[0], dtype=bool)
-    sequence = step_input = ids
-    for step in range(max_new_tokens):
+def _step(model: LlamaModel, ids: np.ndarray, use_cache: bool, cache: KVCache | None,
+          policy: Policy | None) -> Callable[[np.ndarray | None], np.ndarray]:
+    """The loop's step: the prompt (tokens None) or one new token per row, to the last position's logits."""
+    sequence = [ids]
+
+    def step(tokens: np.ndarray | None) -> np.ndarray:
+        step_input = ids if tokens is None else tokens
         if policy is not None:
-            logits = forward_with_policy(model, step_input, cache, policy, logits_to_keep=1)
-        elif use_cache:
-            logits = model.forward(step_input, cache=cache, use_cache=True, logits_to_keep=1).logits
-        else:
-            logits = model.forward(sequence, logits_to_keep=1).logits
-        tokens = np.where(finished, pad, sampler(logits[:, -1]))
-        finished |= np.isin(tokens, stop)
-        yield tokens
-        if finished.all() or step == max_new_tokens - 1:
-            return
-        step_input = tokens[:, None]
-        if not use_cache:
-            sequence = np.concatenate([sequence, step_input], axis=1)
+            return forward_with_policy(model, step_input, cache, policy, logits_to_keep=1)[:, -1]
+        if use_cache:
+            return model.forward(step_input, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        if tokens is not None:
+            sequence[0] = np.concatenate([sequence[0], tokens], axis=1)
+        return model.forward(sequence[0], logits_to_keep=1).logits[:, -1]
+
+    return step
 
 
 def generate(model: LlamaModel, ids: Any, max_new_tokens: int | None = None, **kwargs: Any) -> np.ndarray:

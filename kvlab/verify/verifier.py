@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 
 from kvlab import validate
-from kvlab.engine.schedules import engine_schedules
+from kvlab.verify.schedules import engine_schedules
 from kvlab.model.llama import LlamaModel
 
 

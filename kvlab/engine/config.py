@@ -1,0 +1,87 @@
+"""EngineConfig: the engine's constructor arguments, checked and resolved once, before anything is allocated.
+
+vLLM's names (block_size, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens,
+enable_prefix_caching, kv_cache_dtype, max_model_len). The pool's size comes from kvlab/cache/memory.py,
+which also sizes `kvlab memory`, so the bytes a budget buys are the bytes the pool allocates (int8/int4
+scales included), as a whole number of blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvlab import validate
+from kvlab.cache.dtypes import resolve_kv_dtype
+from kvlab.cache.memory import kv_bytes_per_block
+from kvlab.cache.quant import QuantFormat
+from kvlab.errors import ConfigError, InputError
+from kvlab.model.llama import LlamaModel
+
+DEFAULT_MAX_KV_BYTES = 1 << 30  # the default pool (max_num_seqs full-context sequences) is capped at 1 GiB
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Resolved engine settings: every field a plain value, every check already passed."""
+
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_prefix_caching: bool
+    kv_cache_dtype: np.dtype | QuantFormat
+    bytes_per_block: int
+
+    @classmethod
+    def create(cls, model: Any, *, block_size: int = 16, num_blocks: int | None = None,
+               kv_cache_memory: int | str | None = None, max_num_seqs: int = 64,
+               max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
+               kv_cache_dtype: object = None, max_model_len: int | None = None) -> "EngineConfig":
+        """Check every argument against `model` (ConfigError naming the first bad one) and size the pool:
+        `num_blocks`, or as many blocks as `kv_cache_memory` holds, or enough for max_num_seqs full-context
+        sequences capped at DEFAULT_MAX_KV_BYTES."""
+        if not isinstance(model, LlamaModel):
+            raise ConfigError(f"model must be a LlamaModel, got {type(model).__name__}")
+        config = model.config
+        block_size = validate.positive_int(block_size, "block_size", ConfigError)
+        max_num_seqs = validate.positive_int(max_num_seqs, "max_num_seqs", ConfigError)
+        max_num_batched_tokens = validate.positive_int(max_num_batched_tokens, "max_num_batched_tokens",
+                                                       ConfigError)
+        if max_model_len is None:
+            max_model_len = config.max_position_embeddings
+        max_model_len = validate.positive_int(max_model_len, "max_model_len", ConfigError)
+        if max_model_len > config.max_position_embeddings:
+            raise ConfigError(f"max_model_len {max_model_len} exceeds the model's context of "
+                              f"{config.max_position_embeddings} tokens (max_position_embeddings)")
+        if not isinstance(enable_prefix_caching, bool):
+            raise ConfigError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
+        try:
+            kv_dtype = resolve_kv_dtype(kv_cache_dtype, model.dtype)
+        except InputError as exc:
+            raise ConfigError(str(exc)) from None
+        bytes_per_block = kv_bytes_per_block(config, block_size, kv_dtype)
+        if num_blocks is not None and kv_cache_memory is not None:
+            raise ConfigError("give num_blocks or kv_cache_memory, not both")
+        if num_blocks is not None:
+            num_blocks = validate.positive_int(num_blocks, "num_blocks", ConfigError)
+        elif kv_cache_memory is not None:
+            try:
+                budget = validate.parse_size(kv_cache_memory, "kv_cache_memory") \
+                    if isinstance(kv_cache_memory, str) else validate.positive_int(kv_cache_memory,
+                                                                                   "kv_cache_memory")
+            except InputError as exc:
+                raise ConfigError(f"kv_cache_memory: {exc}") from None
+            num_blocks = budget // bytes_per_block
+            if num_blocks < 1:
+                raise ConfigError(f"kv_cache_memory {kv_cache_memory!r} holds no block of "
+                                  f"{bytes_per_block} bytes")
+        else:
+            num_blocks = max(1, min(max_num_seqs * math.ceil(max_model_len / block_size),
+                                    DEFAULT_MAX_KV_BYTES // bytes_per_block))
+        return cls(block_size, num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len,
+                   enable_prefix_caching, kv_dtype, bytes_per_block)

@@ -1,0 +1,89 @@
+"""What an engine can tell about itself: counters for /metrics and a picture of its pool for the explorer.
+
+The runner and the scheduler add to StepCounters as they work; `engine_stats` and `cache_state` only read,
+so the server may call them between steps from its loop thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvlab.engine.request import Sequence, Status
+
+if TYPE_CHECKING:  # the engine imports this module; only its type is needed here
+    from kvlab.engine.engine import Engine
+
+
+@dataclass
+class StepCounters:
+    """Tokens the engine has computed, for `Engine.stats` (Prometheus counters in the server)."""
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_steps: int = 0
+
+
+def engine_stats(engine: "Engine") -> dict[str, Any]:
+    """Pool usage, prefix-cache hits, queue sizes and token counters (vLLM's metric names)."""
+    pool, sched, cache = engine.block_pool, engine.scheduler, engine.prefix_cache
+    running = {s.request.request_id for s in sched.running}
+    return {
+        "kv_cache_usage": pool.num_used_blocks / pool.num_blocks,
+        "prefix_cache_queries": cache.queries,
+        "prefix_cache_hits": cache.hits,
+        "num_preemptions": sched.num_preemptions,
+        "num_running": len(running),
+        "num_waiting": len(engine._requests) - len(running),
+        "num_running_seqs": len(sched.running),
+        "num_waiting_seqs": len(sched.waiting),
+        "num_free_blocks": pool.num_free_blocks,
+        "num_blocks": pool.num_blocks,
+        **asdict(engine.counters),
+    }
+
+
+def cache_state(engine: "Engine") -> dict[str, Any]:
+    """A JSON-serialisable picture of the pool: every used or cached block, every unfinished request."""
+    pool, sched, cache = engine.block_pool, engine.scheduler, engine.prefix_cache
+    size = pool.block_size
+    owners: dict[int, tuple[Sequence, int]] = {}  # block -> (a sequence holding it, its index there)
+    for seq in sched.running:
+        for index, block in enumerate(seq.block_table):
+            owners.setdefault(block, (seq, index))
+    blocks = []
+    stored_tokens = 0
+    for block in range(pool.num_blocks):
+        info = cache.cached_info(block)
+        if info is None and pool.ref_counts[block] == 0:
+            continue
+        if info is not None:
+            tokens = list(info.token_ids)
+            parent = cache.chain_parent(info)
+            parent = None if parent is None else parent.hex()[:16]
+        else:
+            seq, index = owners[block]
+            tokens = seq.token_ids[index * size:min((index + 1) * size, seq.num_computed_tokens)]
+            parent = None
+        stored_tokens += len(tokens)
+        blocks.append({"id": block, "ref_count": pool.ref_counts[block],
+                       "hash": info.key.hex()[:16] if info is not None else None, "parent": parent,
+                       "num_tokens": len(tokens), "token_ids": [int(t) for t in tokens]})
+    requests = []
+    for request in engine._requests.values():
+        for seq in request.seqs:
+            if seq.status not in (Status.RUNNING, Status.WAITING):
+                continue
+            requests.append({
+                "request_id": request.request_id, "index": seq.index, "status": seq.status.value,
+                "num_prompt_tokens": request.num_prompt_tokens,
+                "num_cached_tokens": request.num_cached_tokens,
+                "num_computed_tokens": seq.num_computed_tokens,
+                "num_output_tokens": len(seq.output_token_ids), "block_table": list(seq.block_table)})
+    return {"block_size": size, "num_blocks": pool.num_blocks, "num_free_blocks": pool.num_free_blocks,
+            "num_cached_blocks": pool.num_evictable_blocks, "num_used_blocks": pool.num_used_blocks,
+            "payload_bytes": stored_tokens * (pool.bytes_per_block // size),
+            "capacity_bytes": pool.capacity_bytes, "blocks": blocks, "requests": requests,
+            "stats": engine_stats(engine)}

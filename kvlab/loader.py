@@ -1,0 +1,81 @@
+"""`kvlab.load(path)`: the one place that decides whether a path is an HF folder or a GGUF file.
+
+Both loaders (kvlab/hf/loader.py, kvlab/gguf/loader.py) produce the same objects and never import each other;
+everything that takes "a model path" (the API, every CLI command, `kvlab memory`, sampling defaults) asks
+here, so `--model x.gguf` means the same thing everywhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvlab.config import ModelConfig
+from kvlab.gguf.loader import gguf_file, load_gguf
+from kvlab.hf import generation_config, loader as hf
+from kvlab.model.llama import LlamaModel
+from kvlab.sampling.defaults import ModelSampling
+from kvlab.tokenizer import HFTokenizer
+
+# What kvlab computes in (and so, by default, caches K/V in) unless told otherwise: every command's --dtype.
+DEFAULT_COMPUTE_DTYPE = "float32"
+
+
+def load(path: str | Path | None = None, dtype: Any = DEFAULT_COMPUTE_DTYPE, progress: bool | None = None,
+         weights_dtype: str = "auto", backend: str | None = None) -> tuple[LlamaModel, HFTokenizer]:
+    """`model, tokenizer = kvlab.load(path)`; without a path, the default model shipped with kvlab.
+
+    `path` is an HF folder, a .gguf file or a folder holding one. The tokenizer is read first (it is
+    small), so a folder without one fails before the weights load.
+    """
+    if gguf_file(path) is not None:
+        return load_gguf(path, dtype, progress, backend=backend)
+    return hf.load(path, dtype, progress, weights_dtype, backend)
+
+
+def load_model(path: str | Path | None = None, dtype: Any = DEFAULT_COMPUTE_DTYPE, progress: bool | None = None,
+               weights_dtype: str = "auto", backend: str | None = None) -> LlamaModel:
+    """The model alone (no tokenizer is read); GGUF files are dequantized into the compute dtype."""
+    if gguf_file(path) is not None:
+        return load_gguf(path, dtype, progress, backend=backend)[0]
+    return hf.load_model(path, dtype, progress, weights_dtype, backend)
+
+
+def model_config(path: str | Path) -> ModelConfig:
+    """The config of an HF config.json / folder, or of a GGUF file's metadata (no weights read)."""
+    from kvlab.gguf.config import config_from_metadata
+    from kvlab.gguf.reader import read_gguf
+
+    found = gguf_file(path)
+    return config_from_metadata(read_gguf(found)) if found is not None else ModelConfig.from_file(path)
+
+
+def model_sampling(path: str | Path | None) -> ModelSampling | None:
+    """The recommended sampling of the model at `path` (None: the default model), or None if it has none.
+    A generation_config.json next to a .gguf file wins over its metadata."""
+    from kvlab.gguf.sampling import from_metadata
+
+    if path is None:
+        return generation_config.from_json(hf.DEFAULT_MODEL_DIR / "generation_config.json")
+    found = gguf_file(path)
+    if found is None:
+        return generation_config.from_json(Path(path).expanduser() / "generation_config.json")
+    beside = generation_config.from_json(found.parent / "generation_config.json")
+    return beside if beside is not None else from_metadata(found)
+
+
+def read_float_weights(path: str | Path | None = None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """(config, float32 weights by HF name) of an HF folder or a GGUF file (dequantized); None: the default
+    model. For tools that transform weights (kvlab quantize, kvlab fidelity --weights)."""
+    from kvlab.gguf.loader import read_checkpoint
+
+    if gguf_file(path) is not None:
+        checkpoint = read_checkpoint(path, np.float32, progress=False)
+        return checkpoint.config, dict(checkpoint.weights)
+    folder = hf.resolve_model_dir(path)
+    config = hf.load_config(folder)
+    headers, _, source = hf.weight_headers(folder)
+    hf.check_headers(config, headers, source)
+    return config, hf.read_weights(headers, np.dtype(np.float32), False, keep_half=False)
