@@ -74,7 +74,8 @@ class ServerProcess:
         return httpx.get(f"{self.url}{path}", timeout=30, **kw)
 
     def post(self, path: str, body: Any = None, **kw: Any) -> httpx.Response:
-        return httpx.post(f"{self.url}{path}", json=body, timeout=60, **kw)
+        """POST `body` as JSON ({} when None: every POST needs a JSON body)."""
+        return httpx.post(f"{self.url}{path}", json={} if body is None else body, timeout=60, **kw)
 
     def cache_state(self, **kw: Any) -> dict[str, Any]:
         response = self.get("/v1/cache/state", **kw)

@@ -99,6 +99,7 @@ class Engine:
         self._requests: dict[str, Request] = {}     # unfinished
         self._pending: dict[str, RequestOutput] = {}  # to report at the next step (aborts, stashed)
         self._roots: set[bytes] = set()  # chain roots seen: a block whose parent is one starts a chain
+        self._suspended: dict[str, list[Sequence]] = {}  # suspend_request: sequences out of the queues
         self._ids = itertools.count()
         self._counts = {"num_prompt_tokens": 0, "num_generation_tokens": 0, "num_computed_tokens": 0,
                         "num_prefill_tokens": 0, "num_steps": 0}
@@ -172,6 +173,7 @@ class Engine:
         request = self._requests.get(request_id) if isinstance(request_id, str) else None
         if request is None:
             raise InputError(f"unknown request_id {request_id!r}: no unfinished request has this id")
+        self._suspended.pop(request_id, None)
         for seq in request.seqs:
             if not seq.finished():
                 self._finish(seq, "abort")
@@ -180,6 +182,26 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def suspend_request(self, request_id: str) -> None:
+        """Take an unfinished request out of scheduling: its blocks are released as preemption releases them
+        (full blocks stay cached), it keeps its tokens, and it runs again only after `resume_request`. A
+        server uses the pair to rerun requests one by one after a step failed, to find the one that fails."""
+        request = self._requests.get(request_id) if isinstance(request_id, str) else None
+        if request is None:
+            raise InputError(f"unknown request_id {request_id!r}: no unfinished request has this id")
+        for seq in request.seqs:
+            if seq.status is Status.RUNNING:
+                self.scheduler.preempt(seq)
+            if seq.status is Status.WAITING and seq in self.scheduler.waiting:
+                self.scheduler.waiting.remove(seq)
+                self._suspended.setdefault(request_id, []).append(seq)
+
+    def resume_request(self, request_id: str) -> None:
+        """Queue a suspended request again (first in line, as a preempted one is)."""
+        for seq in reversed(self._suspended.pop(request_id, [])):
+            if seq.status is Status.WAITING:
+                self.scheduler.waiting.appendleft(seq)
 
     # --- the step ------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -256,7 +278,7 @@ class Engine:
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.request.params
-        is_stop_id = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+        is_stop_id = token in seq.request.stop_ids or (not params.ignore_eos and token in self.eos_token_ids)
         if seq.decoder is not None and not is_stop_id:  # a stop token is kept in token_ids, not in text
             before = len(seq.text)
             seq.text += seq.decoder.push(token)
@@ -356,12 +378,22 @@ class Engine:
         for seq in sched.running:
             for index, block in enumerate(seq.block_table):
                 owners.setdefault(block, (seq, index))
+        by_key = {info.key: info for info in (pool.cached_info(b) for b in range(pool.num_blocks)) if info}
+
+        def chain_root(info: Any) -> bytes | None:  # the root key (model, dtypes, salt) a cached block hangs from
+            parent, hops = info.parent, 0
+            while parent is not None and parent not in self._roots and hops <= len(by_key):
+                above = by_key.get(parent)
+                parent, hops = (above.parent if above is not None else None), hops + 1
+            return parent if parent in self._roots else None
+
         blocks = []
         stored_tokens = 0
         for block in range(pool.num_blocks):
             info = pool.cached_info(block)
             if info is None and pool.ref_counts[block] == 0:
                 continue
+            root = owners[block][0].request.root_key if block in owners else chain_root(info)
             if info is not None:
                 tokens = list(info.token_ids)
                 parent = None if info.parent is None or info.parent in self._roots else info.parent.hex()[:16]
@@ -372,7 +404,8 @@ class Engine:
             stored_tokens += len(tokens)
             blocks.append({"id": block, "ref_count": pool.ref_counts[block],
                            "hash": info.key.hex()[:16] if info is not None else None, "parent": parent,
-                           "num_tokens": len(tokens), "token_ids": [int(t) for t in tokens]})
+                           "num_tokens": len(tokens), "token_ids": [int(t) for t in tokens],
+                           "root_key": root.hex() if root is not None else None})
         requests = []
         for request in self._requests.values():
             for seq in request.seqs:
@@ -383,7 +416,8 @@ class Engine:
                     "num_prompt_tokens": request.num_prompt_tokens,
                     "num_cached_tokens": request.num_cached_tokens,
                     "num_computed_tokens": seq.num_computed_tokens,
-                    "num_output_tokens": len(seq.output_token_ids), "block_table": list(seq.block_table)})
+                    "num_output_tokens": len(seq.output_token_ids), "block_table": list(seq.block_table),
+                    "root_key": request.root_key.hex()})
         return {"block_size": size, "num_blocks": pool.num_blocks, "num_free_blocks": pool.num_free_blocks,
                 "num_cached_blocks": pool.num_evictable_blocks, "num_used_blocks": pool.num_used_blocks,
                 "payload_bytes": stored_tokens * (pool.bytes_per_block // size),

@@ -104,6 +104,7 @@ class Request:
     def __post_init__(self) -> None:
         self.forked = self.params.n == 1
         self.seqs = [Sequence(self, i) for i in range(self.params.n)]
+        self.stop_ids = frozenset(self.params.stop_token_ids)   # checked once per token: a set, not a scan
 
     @property
     def num_prompt_tokens(self) -> int:
