@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -29,7 +29,7 @@ from kvlab.serve.limits import DEFAULT_MAX_REQUEST_BYTES
 from kvlab.serve.http import AbortingStreamingResponse, APIKeyMiddleware, unless_disconnected
 from kvlab.serve.loop import EngineFailure, EngineLoop, RequestGroup
 from kvlab.serve.metrics import CONTENT_TYPE, ServerMetrics
-from kvlab.serve.openapi import ERROR_RESPONSES, install_openapi
+from kvlab.serve.openapi import ERROR_RESPONSES, HEALTH_RESPONSES, METRICS_RESPONSES, install_openapi
 from kvlab.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                   ResetRequest, TokenizeRequest, bad_request)
 from kvlab.serve.responses import SSE_DONE, StreamRenderer, chat_body, completion_body, sse
@@ -151,15 +151,15 @@ def create_app(engine: Any, tokenizer: Any, *, model_names: list[str], model_roo
     loop = state.engine_loop
 
     # --- plain endpoints ------------------------------------------------------------------------------
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses=HEALTH_RESPONSES)
     async def health() -> Response:
         return Response(status_code=200 if loop.alive else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=METRICS_RESPONSES)
     async def metrics() -> Response:
         return Response(loop.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/")
+    @app.get("/", include_in_schema=False)
     async def explorer() -> FileResponse:
         return FileResponse(STATIC_DIR / "index.html")
 

@@ -24,6 +24,14 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     503: {**_ERROR, "description": "Shutting down"},
 }
 
+HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The engine loop is running (empty body)", "content": {}},
+    503: {"description": "The engine loop has stopped (empty body)", "content": {}},
+}
+METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
+}
+
 
 def install_openapi(app: FastAPI) -> None:
     """Generate the schema once, without FastAPI's 422 (never sent: validation errors are 400s)."""
