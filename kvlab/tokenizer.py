@@ -8,6 +8,7 @@ generation_config.json, chat templates) lives in kvlab.hf, which builds an HFTok
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
@@ -112,7 +113,7 @@ class HFTokenizer:
         self.chat_template = chat_template
         self.pad_token_id = pad_token_id
         self._specials: dict[str, int] | None = None   # built on first use (below)
-        self._text_twin: Any = None
+        self._text_twins: tuple[Any, Any] | None = None
         self._max_chars: int | None = None
 
     @property
@@ -182,16 +183,23 @@ class HFTokenizer:
         return self._specials
 
     @property
-    def text_tokenizer(self) -> Any:
-        """A twin of the tokenizer that reads special-token strings as plain text (`encode_special_tokens`).
-        A separate object, because the switch is state on the tokenizer and encodes run in threads."""
-        if self._text_twin is None:
+    def text_tokenizers(self) -> tuple[Any, Any]:
+        """Twins of the tokenizer that read special-token strings as plain text (`encode_special_tokens`),
+        for the stretch at the start of a text and for later ones. Separate objects, because the switch is
+        state on the tokenizer and encodes run in threads. Two, because a SentencePiece-style Metaspace
+        with prepend_scheme "first" adds its "▁" only at the very start of the text, not after a special
+        token: the later-stretch twin never prepends."""
+        if self._text_twins is None:
             from tokenizers import Tokenizer
 
-            twin = Tokenizer.from_str(self.tokenizer.to_str())
-            twin.encode_special_tokens = True
-            self._text_twin = twin
-        return self._text_twin
+            spec = json.loads(self.tokenizer.to_str())
+            first = Tokenizer.from_str(json.dumps(spec))
+            _never_prepend(spec.get("pre_tokenizer"))
+            later = Tokenizer.from_str(json.dumps(spec))
+            for twin in (first, later):
+                twin.encode_special_tokens = True
+            self._text_twins = (first, later)
+        return self._text_twins
 
     def encode_markup_and_text(self, text: str, marks: Mapping[str, str]) -> list[int]:
         """Encode rendered chat text whose content had special strings masked (`marks`: placeholder ->
@@ -202,13 +210,14 @@ class HFTokenizer:
         pattern = re.compile("(" + "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True)) + ")")
         restore = re.compile("|".join(re.escape(m) for m in marks)) if marks else None
         ids: list[int] = []
+        first, later = self.text_tokenizers
         for i, part in enumerate(pattern.split(text) if specials else [text]):
             if i % 2:
                 ids.append(specials[part])
             elif part:
                 if restore is not None:
                     part = restore.sub(lambda hit: marks[hit.group(0)], part)
-                ids.extend(_encode(self.text_tokenizer, part, False))
+                ids.extend(_encode(first if i == 0 else later, part, False))
         return ids
 
     @property
@@ -254,3 +263,14 @@ def _mask_specials(messages: Sequence[Mapping[str, Any]], specials: Mapping[str,
             m = {**m, "content": pattern.sub(lambda hit: marks[hit.group(0)], m["content"])}
         masked.append(m)
     return masked, {mark: s for s, mark in marks.items()}
+
+
+def _never_prepend(pre_tokenizer: Any) -> None:
+    """Turn every Metaspace(prepend_scheme="first") in a tokenizer.json pre_tokenizer spec into "never", in
+    place."""
+    if not isinstance(pre_tokenizer, dict):
+        return
+    if pre_tokenizer.get("type") == "Metaspace" and pre_tokenizer.get("prepend_scheme") == "first":
+        pre_tokenizer["prepend_scheme"] = "never"
+    for child in pre_tokenizer.get("pretokenizers") or []:
+        _never_prepend(child)
