@@ -209,7 +209,6 @@ def create_app(engine: Any, tokenizer: Any, *, model_names: list[str], model_roo
         body.check_supported()
         state.check_ids(body.stop_token_ids, "stop_token_ids")
         prompts = await state.encode_prompts(body.prompts())
-        state.check_ids(body.stop_token_ids, "stop_token_ids")
         params = body.sampling_params(body.max_tokens, body.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
@@ -225,7 +224,6 @@ def create_app(engine: Any, tokenizer: Any, *, model_names: list[str], model_roo
         body.check_supported()
         state.check_ids(body.stop_token_ids, "stop_token_ids")
         prompt = await state.render_chat(body.messages, body.add_generation_prompt)
-        state.check_ids(body.stop_token_ids, "stop_token_ids")
         params = body.sampling_params(body.max_new_tokens, body.num_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         group = await loop.add([(request_id, prompt, params, body.cache_salt)])

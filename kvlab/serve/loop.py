@@ -212,32 +212,36 @@ class EngineLoop:
         request whose own step fails is the culprit: its group is failed with a 500 and its blocks freed.
         The others resume where they were (a suspended request is recomputed like a preempted one, so
         its tokens are the same). When no request fails alone, all resume: the fault was not theirs."""
-        rids = list(self._tracked)
-        for rid in rids:
-            self.engine.suspend_request(rid)
-        outputs, healthy, culprits = [], [], 0
-        for rid in rids:
-            if rid not in self._tracked:
-                continue   # failed with its group already
-            self.engine.resume_request(rid)
+        error = APIError(500, "the engine failed while running this request", "internal_server_error")
+        suspended = []
+        for rid in list(self._tracked):
             try:
-                outputs.extend(self.engine.step())
-            except Exception:
-                log.exception("request %s fails the engine step on its own: failing it", rid)
-                culprits += 1
-                self._fail_group(self._tracked[rid].group, APIError(
-                    500, "the engine failed while running this request", "internal_server_error"))
-                continue
-            if self.engine.has_unfinished_requests() and rid in self._tracked:
+                self.engine.suspend_request(rid)
+                suspended.append(rid)
+            except KVLabError:   # it finished inside the failed step, and its output went with it
+                self._fail_group(self._tracked[rid].group, error)
+        outputs, culprits = [], 0
+        try:
+            for rid in suspended:
+                if rid not in self._tracked:
+                    continue   # failed with its group already
+                self.engine.resume_request(rid)
+                try:
+                    outputs.extend(self.engine.step())
+                except Exception:
+                    log.exception("request %s fails the engine step on its own: failing it", rid)
+                    culprits += 1
+                    self._fail_group(self._tracked[rid].group, error)
+                    continue
                 try:
                     self.engine.suspend_request(rid)
-                    healthy.append(rid)
                 except KVLabError:
-                    pass   # it finished in its step
-        for rid in healthy:
-            self.engine.resume_request(rid)
+                    pass   # it finished in its own step
+        finally:
+            for rid in suspended:
+                self.engine.resume_request(rid)   # a no-op for the failed and the finished
         if not culprits:
-            log.warning("no request fails a step on its own; all %d carry on", len(healthy))
+            log.warning("no request fails a step on its own; all %d carry on", len(suspended))
         return outputs
 
     def _apply(self, command: tuple) -> None:
