@@ -30,7 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "a cache dtype (int8, int4, int8-channel, fp8_e4m3, fp8_e5m2, float16, "
                                    "bfloat16), a policy (" + POLICY_FORMS + "), or dtype+policy "
                                    "(int8+sinks:4:60).")
-    p.add_argument("--model", help="HF model folder (default: the shipped Shakespeare model)")
+    p.add_argument("--model", help="HF model folder or .gguf file (default: the shipped Shakespeare model)")
     p.add_argument("--text", help="text file (default: validation.txt in the model folder)")
     p.add_argument("--policy", "--policies", dest="policies", action="append", metavar="CHOICE",
                    help="a cache choice, repeatable or comma-separated (default: "
@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
             raise InputError("--weights needs at least one type, e.g. --weights q8_0,q4_0")
     model, tokenizer = kvlab.load(args.model, dtype=args.dtype)
     folder = Path(args.model) if args.model else kvlab.hf.DEFAULT_MODEL_DIR
+    folder = folder.parent if folder.is_file() else folder  # a .gguf file: look beside it
     text_path = Path(args.text) if args.text else folder / "validation.txt"
     if not text_path.is_file():
         raise InputError(f"{text_path}: no such text file (give --text)")
