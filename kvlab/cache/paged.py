@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -84,6 +84,8 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 and cached, LRU first
         self._cached: dict[bytes, int] = {}                      # key -> block
         self._block_info: dict[int, CachedBlock] = {}            # block -> what was registered
+        # kvlab tier/events hook (issue 23): told of every cached block the pool forgets (evicted or reset)
+        self.on_forget: Callable[[CachedBlock], None] | None = None
 
     # --- accounting ----------------------------------------------------------------------------------------
     @property
@@ -207,6 +209,8 @@ class BlockPool:
     def _forget(self, block: int) -> None:
         info = self._block_info.pop(block)
         del self._cached[info.key]
+        if self.on_forget is not None:  # kvlab tier/events hook (issue 23): BlockRemoved
+            self.on_forget(info)
 
 
 class PagedStore:

@@ -28,6 +28,7 @@ from kvlab.model.batch import BatchInput, forward_batch
 from kvlab.model.llama import LlamaModel, validate_ids
 from kvlab.prefix.block_hash import root_key
 from kvlab.prefix.prefix_cache import PrefixCache
+from kvlab.tier.listener import build_listeners
 
 DEFAULT_MAX_KV_BYTES = 1 << 30  # the default pool (max_num_seqs full-context sequences) is capped at 1 GiB
 
@@ -45,7 +46,8 @@ class Engine:
                  num_blocks: int | None = None, kv_cache_memory: int | str | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  enable_prefix_caching: bool = True, kv_cache_dtype: object = None,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, kv_tiers: Seq[Any] | None = None,
+                 kv_events_config: Any = None) -> None:
         if not isinstance(model, LlamaModel):
             raise ConfigError(f"model must be a LlamaModel, got {type(model).__name__}")
         config = model.config
@@ -94,6 +96,14 @@ class Engine:
                                     kv_dtype, block_size, num_blocks, compute_dtype=model.dtype)
         self.prefix_cache = PrefixCache(self.block_pool, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_pool, self.prefix_cache, max_num_seqs, max_num_batched_tokens)
+        # kvlab tier/events hook (issue 23): the KV tier (kv_tiers: URLs, tried in order) and vLLM-format KV
+        # events, told of stored, looked-up, forgotten and cleared blocks (kvlab/tier/listener.py)
+        self.cache_listener = build_listeners(
+            self.block_pool, root_key(model.fingerprint, model.dtype, kv_dtype), kv_tiers, kv_events_config,
+            enable_prefix_caching)
+        if self.cache_listener is not None:
+            self.prefix_cache.listener = self.cache_listener
+            self.block_pool.on_forget = self.cache_listener.on_block_removed
         eos = getattr(tokenizer, "eos_token_ids", None) if tokenizer is not None else None
         self.eos_token_ids = frozenset(int(i) for i in (eos if eos else config.eos_token_ids))
         self._requests: dict[str, Request] = {}     # unfinished
@@ -329,7 +339,14 @@ class Engine:
         if self.block_pool.num_used_blocks:
             return False
         self.block_pool.evict_all()
+        if self.cache_listener is not None:  # kvlab events hook (issue 23): AllBlocksCleared
+            self.cache_listener.on_cleared()
         return True
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Drain the KV tier's queued writes (at most `timeout` seconds) and stop the KV event publisher."""
+        if self.cache_listener is not None:
+            self.cache_listener.close(timeout)
 
     def stats(self) -> dict[str, Any]:
         pool, sched = self.block_pool, self.scheduler
@@ -346,6 +363,7 @@ class Engine:
             "num_free_blocks": pool.num_free_blocks,
             "num_blocks": pool.num_blocks,
             **self._counts,
+            **(self.cache_listener.stats() if self.cache_listener is not None else {}),  # issue 23: tier
         }
 
     def cache_state(self) -> dict[str, Any]:

@@ -8,7 +8,7 @@ and LRU eviction belong to the BlockPool; this module only decides keys and what
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from kvlab.cache.paged import BlockPool
 from kvlab.prefix.block_hash import block_key
@@ -20,6 +20,7 @@ class PrefixCache:
     def __init__(self, pool: BlockPool, enabled: bool = True) -> None:
         self.pool = pool
         self.enabled = enabled
+        self.listener: Any = None  # kvlab tier/events hook (issue 23): a kvlab.tier.listener.CacheListeners
 
     def match(self, token_ids: Sequence[int], root: bytes) -> tuple[list[int], list[bytes]]:
         """The cached blocks holding the longest prefix of `token_ids` (whole blocks), and their keys."""
@@ -41,6 +42,8 @@ class PrefixCache:
             blocks.append(block)
             keys.append(key)
             parent = key
+        if self.listener is not None:  # kvlab tier hook (issue 23): extend a local miss from the KV tier
+            blocks, keys = self.listener.lookup(token_ids, root, blocks, keys)
         return blocks, keys
 
     def insert(self, block_table: Sequence[int], token_ids: Sequence[int], keys: list[bytes],
@@ -57,5 +60,7 @@ class PrefixCache:
             parent = keys[-1] if keys else root
             chunk = token_ids[index * size:(index + 1) * size]
             key = block_key(parent, chunk)
-            self.pool.register(block_table[index], key, parent, chunk)
+            registered = self.pool.register(block_table[index], key, parent, chunk)
+            if registered and self.listener is not None:  # kvlab tier/events hook (issue 23): write-through
+                self.listener.on_block_stored(block_table[index], key, parent, chunk, root)
             keys.append(key)

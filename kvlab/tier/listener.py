@@ -1,0 +1,100 @@
+"""What the prefix cache and the block pool report to: the KV tier and the KV event publisher.
+
+The engine wires one CacheListeners into four hook points (kept small so they move with the engine):
+  - PrefixCache.insert, after a full computed block is registered: `on_block_stored(block, key, parent,
+    token_ids, root)` (write-through, and BlockStored);
+  - PrefixCache.match, after the local walk: `lookup(token_ids, root, blocks, keys)` may extend the hit
+    with blocks loaded from the tier (they are announced as stored too: this instance now holds them);
+  - BlockPool._forget, when a cached block is evicted or reset: `on_block_removed(info)` (BlockRemoved);
+  - Engine.reset_prefix_cache: `on_cleared()` (AllBlocksCleared).
+`root` tells salted chains apart: a salted block is written to the tier under its salted key (no one
+without the salt can name it) but never announced as an event (the router would credit it to anyone).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+from kvlab.errors import ConfigError
+
+if TYPE_CHECKING:  # imported lazily: redis-py and pyzmq are optional (the `tier` extra)
+    from kvlab.events.publisher import KVEventPublisher
+    from kvlab.tier.tier import KVTier
+
+
+class CacheListeners:
+    """Fans the prefix cache's and pool's notifications out to a KVTier and a KVEventPublisher."""
+
+    def __init__(self, public_root: bytes, tier: "KVTier | None" = None,
+                 events: "KVEventPublisher | None" = None) -> None:
+        self.public_root = public_root  # the unsalted chain root of this engine's model and dtypes
+        self.tier = tier
+        self.events = events
+
+    def _announce(self, key: bytes, parent: bytes, token_ids: Sequence[int], root: bytes) -> None:
+        if self.events is not None and root == self.public_root:
+            self.events.stored(key, None if parent == root else parent, token_ids)
+
+    def on_block_stored(self, block: int, key: bytes, parent: bytes, token_ids: Sequence[int],
+                        root: bytes) -> None:
+        if self.tier is not None:
+            self.tier.store(block, key, parent, token_ids)
+        self._announce(key, parent, token_ids, root)
+
+    def lookup(self, token_ids: Sequence[int], root: bytes, blocks: list[int],
+               keys: list[bytes]) -> tuple[list[int], list[bytes]]:
+        if self.tier is None:
+            return blocks, keys
+        blocks, keys, loaded = self.tier.lookup(token_ids, root, blocks, keys)
+        for key, parent, chunk in loaded:
+            self._announce(key, parent, chunk, root)
+        return blocks, keys
+
+    def on_block_removed(self, info: Any) -> None:
+        if self.events is not None:
+            self.events.removed(info.key)
+
+    def on_cleared(self) -> None:
+        if self.events is not None:
+            self.events.cleared()
+
+    def stats(self) -> dict[str, int]:
+        return self.tier.stats.snapshot() if self.tier is not None else {}
+
+    def close(self, timeout: float) -> None:
+        """Drain the tier's writes within `timeout`, then stop the event publisher."""
+        if self.tier is not None:
+            self.tier.close(timeout)
+        if self.events is not None:
+            self.events.close()
+
+
+def build_listeners(pool: Any, public_root: bytes, kv_tiers: Sequence[Any] | None,
+                    kv_events_config: Any, prefix_caching: bool = True) -> CacheListeners | None:
+    """The engine's listeners for `kv_tiers` (URLs or backends) and `kv_events_config`; None if neither."""
+    from kvlab.events.config import KVEventsConfig
+
+    if kv_tiers is not None and (isinstance(kv_tiers, (str, bytes)) or not isinstance(kv_tiers, (list, tuple))):
+        raise ConfigError(f"kv_tiers must be a list of tier URLs, got {kv_tiers!r}")
+    events_config = KVEventsConfig.parse(kv_events_config)
+    if not kv_tiers and not events_config.enabled:
+        return None
+    if not prefix_caching:
+        raise ConfigError("a KV tier and KV events work on the prefix cache: they need prefix caching on")
+    tier = events = None
+    if kv_tiers:
+        from kvlab.tier.tier import KVTier
+        tier = KVTier(list(kv_tiers), pool)
+    if events_config.enabled:
+        try:
+            from kvlab.events.publisher import KVEventPublisher
+        except ImportError as exc:
+            raise ConfigError(f"KV events need pyzmq and msgpack ({exc.name} is missing): "
+                              "pip install 'kvlab[tier]'") from None
+        try:
+            events = KVEventPublisher(events_config, pool.block_size)
+        except ConfigError:
+            if tier is not None:
+                tier.close(0)
+            raise
+    return CacheListeners(public_root, tier, events)
