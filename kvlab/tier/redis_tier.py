@@ -66,8 +66,8 @@ class RedisTier:
         self.name = f"{parts.scheme}://{parts.hostname or '127.0.0.1'}:{port}/{db}"
         self.client = redis.Redis(
             host=parts.hostname or "127.0.0.1", port=port, db=db, username=parts.username or None,
-            password=parts.password or None, ssl=parts.scheme.endswith("s"), socket_timeout=self.timeout,
-            socket_connect_timeout=self.timeout, retry=Retry(NoBackoff(), 0), retry_on_timeout=False,
+            password=parts.password or None, ssl=parts.scheme in ("rediss", "valkeys"), socket_timeout=self.timeout,
+            socket_connect_timeout=self.timeout, retry=Retry(NoBackoff(), 0),
             health_check_interval=0)
 
     def _call(self, fn, *args):

@@ -1,0 +1,146 @@
+"""The KV tier inside the engine, on a disk tier: warm restarts, salts, exact outputs, the write queue."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import kvlab
+from kvlab.engine.engine import Engine
+from kvlab.engine.sampling import SamplingParams
+from kvlab.errors import ConfigError
+from kvlab.tier.file_tier import FileTier
+from kvlab.tier.tier import KVTier
+
+MODEL = kvlab.TinyLlama(seed=7, max_position_embeddings=256)
+GREEDY = SamplingParams(temperature=0, max_tokens=20)
+PROMPT = [int(t) for t in np.random.default_rng(3).integers(0, MODEL.config.vocab_size, 90)]
+
+
+def cold(prompt, params=GREEDY):
+    return Engine(MODEL).generate([prompt], params)[0].outputs[0].token_ids
+
+
+def run(engine, prompt, params=GREEDY, salt=None):
+    out = engine.generate([prompt], params, cache_salt=salt)[0]
+    engine.block_pool.check_invariants()
+    return out
+
+
+def test_a_restarted_engine_starts_warm_from_the_disk_tier(tmp_path):
+    url = f"file://{tmp_path}/tier"
+    first = Engine(MODEL, kv_tiers=[url])
+    a = run(first, PROMPT)
+    first.close(30)
+    assert first.stats()["kv_tier_written_blocks"] == (90 + 19) // 16  # prompt and generated blocks
+    follow = PROMPT + a.outputs[0].token_ids  # the next turn starts with everything computed before
+    second = Engine(MODEL, kv_tiers=[url])
+    b = run(second, follow)
+    assert b.num_cached_tokens == (len(follow) - 1) // 16 * 16 == 96
+    assert b.outputs[0].token_ids == cold(follow)
+    stats = second.stats()
+    assert stats["kv_tier_hit_blocks"] == 6 and stats["kv_tier_hit_tokens"] == 96
+    assert stats["kv_tier_read_bytes"] > 6 * second.block_pool.bytes_per_block
+    assert stats["num_prefill_tokens"] == len(follow) - 96
+    again = run(second, follow)  # now held locally: no second tier read
+    assert again.num_cached_tokens == 96 and second.stats()["kv_tier_hit_blocks"] == 6
+    second.close(30)
+
+
+def test_salted_blocks_are_reachable_only_with_their_salt(tmp_path):
+    url = f"file://{tmp_path}/tier"
+    writer = Engine(MODEL, kv_tiers=[url])
+    run(writer, PROMPT, salt="tenant-a")
+    writer.close(30)
+    for salt, expect in ((None, 0), ("tenant-b", 0), ("tenant-a", 80)):
+        reader = Engine(MODEL, kv_tiers=[url])
+        out = run(reader, PROMPT, salt=salt)
+        assert out.num_cached_tokens == expect, salt
+        assert out.outputs[0].token_ids == cold(PROMPT)
+        reader.close(30)
+
+
+def test_corrupt_files_are_refused_and_recomputed_exactly(tmp_path):
+    url = f"file://{tmp_path}/tier"
+    writer = Engine(MODEL, kv_tiers=[url])
+    run(writer, PROMPT)
+    writer.close(30)
+    files = sorted((tmp_path / "tier").rglob("kvlab_kv_v1_*"))
+    assert len(files) == 6
+    for path in files:  # damage every entry: one byte of payload, or a cut
+        data = path.read_bytes()
+        path.write_bytes(data[:-5] + bytes([data[-5] ^ 0x40]) + data[-4:] if path.name < files[3].name
+                         else data[:len(data) - 100])
+    reader = Engine(MODEL, kv_tiers=[url])
+    out = run(reader, PROMPT)
+    assert out.num_cached_tokens == 0
+    assert out.outputs[0].token_ids == cold(PROMPT)
+    assert reader.stats()["kv_tier_refused_entries"] >= 1 and reader.stats()["kv_tier_hit_blocks"] == 0
+    reader.close(30)
+
+
+def test_tier_blocks_fill_only_free_blocks_and_keep_the_pool_balanced(tmp_path):
+    url = f"file://{tmp_path}/tier"
+    writer = Engine(MODEL, kv_tiers=[url])
+    run(writer, PROMPT)
+    writer.close(30)
+    small = Engine(MODEL, kv_tiers=[url], num_blocks=8)  # 90 + 20 tokens need 7 of the 8 blocks
+    outs = [run(small, PROMPT) for _ in range(2)]
+    assert [o.outputs[0].token_ids for o in outs] == [cold(PROMPT)] * 2
+    assert outs[0].num_cached_tokens == 80
+    small.close(30)
+
+
+class BlockingBackend(FileTier):
+    """A file tier whose writes wait for the test, so the queue's states are reached deterministically."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def put(self, name: str, value: bytes) -> bool:
+        self.entered.set()
+        assert self.release.wait(60)
+        return super().put(name, value)
+
+
+def test_a_full_write_queue_drops_and_counts_and_close_is_bounded(tmp_path):
+    engine = Engine(MODEL)
+    backend = BlockingBackend(f"file://{tmp_path}/tier")
+    tier = KVTier([backend], engine.block_pool, queue_blocks=2)
+    root, key = b"r" * 32, b"k" * 32
+    tier.store(0, key, root, range(16))
+    assert backend.entered.wait(60)  # the writer holds block 1 inside put
+    for i in range(1, 5):
+        tier.store(i, bytes([i]) * 32, root, range(16))
+    assert tier.stats.snapshot()["kv_tier_dropped_writes"] == 2  # two queued, two dropped
+    assert not tier.flush(timeout=0.2)  # cannot drain while the backend is stuck
+    backend.release.set()
+    assert tier.flush(timeout=60)
+    stats = tier.stats.snapshot()
+    assert stats["kv_tier_written_blocks"] == 3 and stats["kv_tier_dropped_writes"] == 2
+    assert tier.close(5)
+
+
+def test_close_gives_up_on_a_stuck_tier_after_its_timeout(tmp_path):
+    engine = Engine(MODEL)
+    backend = BlockingBackend(f"file://{tmp_path}/tier")
+    tier = KVTier([backend], engine.block_pool, queue_blocks=4)
+    for i in range(3):
+        tier.store(i, bytes([i + 1]) * 32, b"r" * 32, range(16))
+    assert backend.entered.wait(60)
+    assert not tier.close(timeout=0.2)  # the first write never returns in time: the rest is dropped
+    assert tier.stats.snapshot()["kv_tier_dropped_writes"] == 2
+    backend.release.set()
+
+
+def test_bad_tier_arguments_are_refused_before_anything_starts(tmp_path):
+    with pytest.raises(ConfigError, match="list of tier URLs"):
+        Engine(MODEL, kv_tiers=f"file://{tmp_path}")
+    with pytest.raises(ConfigError, match="unknown scheme"):
+        Engine(MODEL, kv_tiers=["s3://bucket"])
+    with pytest.raises(ConfigError, match="prefix caching"):
+        Engine(MODEL, kv_tiers=[f"file://{tmp_path}"], enable_prefix_caching=False)
