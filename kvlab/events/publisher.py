@@ -39,7 +39,8 @@ class KVEventPublisher:
         self.block_size = int(block_size)
         self.topic = config.topic.encode()
         self.seq = 0
-        self.num_batches = 0
+        self.num_queued = 0  # events handed over by the engine thread
+        self.num_sent = 0    # events sent (publisher thread); equal to num_queued once all are out
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._announced: set[bytes] = set()  # engine thread only
         self._ready = threading.Event()
@@ -51,22 +52,30 @@ class KVEventPublisher:
         if self._error is not None or not self._ready.is_set():
             self._context.term()
             raise ConfigError(f"--kv-events-config: cannot bind {config.endpoint}: {self._error or 'timed out'}")
-        self._queue.put(messages.all_blocks_cleared())
+        self._put(messages.all_blocks_cleared())
 
     # --- engine thread -----------------------------------------------------------------------------------
     def stored(self, key: bytes, parent: bytes | None, token_ids: Sequence[int]) -> None:
         """Block `key` (parent None at a chain's start) now holds `token_ids`."""
         self._announced.add(key)
-        self._queue.put(messages.block_stored(key, parent, token_ids, self.block_size))
+        self._put(messages.block_stored(key, parent, token_ids, self.block_size))
 
     def removed(self, key: bytes) -> None:
         if key in self._announced:
             self._announced.discard(key)
-            self._queue.put(messages.block_removed([key]))
+            self._put(messages.block_removed([key]))
 
     def cleared(self) -> None:
         self._announced.clear()
-        self._queue.put(messages.all_blocks_cleared())
+        self._put(messages.all_blocks_cleared())
+
+    def _put(self, event: dict[str, Any]) -> None:
+        self.num_queued += 1
+        self._queue.put(event)
+
+    def stats(self) -> dict[str, int]:
+        return {"kv_events_queued": self.num_queued, "kv_events_sent": self.num_sent,
+                "kv_events_batches": self.seq}
 
     # --- publisher thread --------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -100,7 +109,7 @@ class KVEventPublisher:
         payload = msgpack.packb([time.time(), events, 0], use_bin_type=True)
         socket.send_multipart([self.topic, struct.pack(">Q", self.seq), payload])
         self.seq += 1
-        self.num_batches += 1
+        self.num_sent += len(events)
 
     def close(self, timeout: float = 2.0) -> None:
         self._queue.put(_STOP)

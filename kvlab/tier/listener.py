@@ -16,6 +16,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Sequence
 
 from kvlab.errors import ConfigError
+from kvlab.tier.stats import TIER_COUNTERS
+
+# every counter the listeners add to engine.stats() (Prometheus name after `kvlab:`, key, help)
+LISTENER_COUNTERS = TIER_COUNTERS + [
+    ("kv_events_queued", "kv_events_queued", "KV cache events produced by the engine"),
+    ("kv_events_sent", "kv_events_sent", "KV cache events sent on the ZMQ socket"),
+    ("kv_events_batches", "kv_events_batches", "KV event batches sent (the next batch's sequence number)"),
+]
 
 if TYPE_CHECKING:  # imported lazily: redis-py and pyzmq are optional (the `tier` extra)
     from kvlab.events.publisher import KVEventPublisher
@@ -59,7 +67,10 @@ class CacheListeners:
             self.events.cleared()
 
     def stats(self) -> dict[str, int]:
-        return self.tier.stats.snapshot() if self.tier is not None else {}
+        counts = self.tier.stats.snapshot() if self.tier is not None else {}
+        if self.events is not None:
+            counts.update(self.events.stats())
+        return counts
 
     def close(self, timeout: float) -> None:
         """Drain the tier's writes within `timeout`, then stop the event publisher."""
