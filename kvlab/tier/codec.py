@@ -13,6 +13,7 @@ naming what was wrong.
 from __future__ import annotations
 
 import hashlib
+import math
 import json
 import struct
 from dataclasses import dataclass
@@ -97,7 +98,7 @@ def decode(value: bytes, expected: Expected) -> list[np.ndarray]:
     arrays, offset = [], 0
     parts = expected.layout["parts"] * expected.layout["num_layers"]
     for part, dtype in zip(parts, expected.dtypes):
-        count = int(np.prod(part["shape"]))
+        count = math.prod(part["shape"])
         size = count * dtype.itemsize
         if offset + size > len(payload):
             raise TierEntryError("truncated: the payload is shorter than its layout")

@@ -76,6 +76,10 @@ class RedisTier:
         except (redis.RedisError, OSError) as exc:
             raise TierUnavailable(f"{self.name}: {type(exc).__name__}: {exc}") from None
 
+    def ping(self) -> None:
+        """Connect now (the writer thread calls this at start), so the first lookup does not pay for it."""
+        self._call(self.client.ping)
+
     def run_length(self, names: Sequence[str]) -> int:
         if not names:
             return 0

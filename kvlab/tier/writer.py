@@ -51,6 +51,14 @@ class WriteQueue:
         return True
 
     def _run(self) -> None:
+        for link in self.links:  # connect at start, off the engine thread; a tier down now is logged now
+            ping = getattr(link.backend, "ping", None)
+            if ping is not None:
+                try:
+                    ping()
+                except TierUnavailable as exc:
+                    link.failed(exc)
+                    self.stats.add("kv_tier_errors")
         while True:
             item = self._queue.get()
             try:
