@@ -187,3 +187,16 @@ def test_vllm_router_kv_aware_sends_a_shared_prefix_to_the_instance_that_holds_i
             router.stop()
         for server in servers:
             server.stop()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--kv-tier", "s3://bucket"], "unknown scheme 's3'"),
+    (["--kv-tier", "redis://127.0.0.1:1/0?ttl=soon"], "is not a number"),
+    (["--kv-events-config", '{"enable_kv_cache_events": true, "endpoint": "tcp://192.0.2.1:9"}'], "cannot bind"),
+    (["--kv-events-config", "{oops"], "not JSON"),
+    (["--no-enable-prefix-caching", "--kv-tier", "file:///tmp/kvlab-never"], "need prefix caching"),
+])
+def test_bad_scale_out_flags_stop_the_server_with_a_clear_error(flags, message):
+    proc = subprocess.run([sys.executable, "-m", "kvlab", "serve", "--port", str(free_port()), *flags],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr

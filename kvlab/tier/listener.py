@@ -38,6 +38,7 @@ class CacheListeners:
         self.public_root = public_root  # the unsalted chain root of this engine's model and dtypes
         self.tier = tier
         self.events = events
+        self._closed = False
 
     def _announce(self, key: bytes, parent: bytes, token_ids: Sequence[int], root: bytes) -> None:
         if self.events is not None and root == self.public_root:
@@ -73,7 +74,10 @@ class CacheListeners:
         return counts
 
     def close(self, timeout: float) -> None:
-        """Drain the tier's writes within `timeout`, then stop the event publisher."""
+        """Drain the tier's writes within `timeout`, then stop the event publisher (once; later calls do nothing)."""
+        if self._closed:
+            return
+        self._closed = True
         if self.tier is not None:
             self.tier.close(timeout)
         if self.events is not None:
