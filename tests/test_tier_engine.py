@@ -11,6 +11,8 @@ import kvlab
 from kvlab.engine.engine import Engine
 from kvlab.engine.sampling import SamplingParams
 from kvlab.errors import ConfigError
+from kvlab.prefix.block_hash import block_key, root_key
+from kvlab.tier.keys import key_name, tier_key
 from kvlab.tier.file_tier import FileTier
 from kvlab.tier.tier import KVTier
 
@@ -144,3 +146,51 @@ def test_bad_tier_arguments_are_refused_before_anything_starts(tmp_path):
         Engine(MODEL, kv_tiers=["s3://bucket"])
     with pytest.raises(ConfigError, match="prefix caching"):
         Engine(MODEL, kv_tiers=[f"file://{tmp_path}"], enable_prefix_caching=False)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "int8", "fp8_e4m3"])
+def test_tier_blocks_of_a_lower_precision_pool_load_byte_for_byte(tmp_path, kv_dtype):
+    url = f"file://{tmp_path}/tier"
+    writer = Engine(MODEL, kv_tiers=[url], kv_cache_dtype=kv_dtype)
+    a = run(writer, PROMPT)
+    writer.close(30)
+    follow = PROMPT + a.outputs[0].token_ids
+    reader = Engine(MODEL, kv_tiers=[url], kv_cache_dtype=kv_dtype)
+    b = run(reader, follow)
+    local = Engine(MODEL, kv_cache_dtype=kv_dtype)  # the same blocks, computed and kept in one process
+    run(local, PROMPT)
+    assert b.num_cached_tokens == 96
+    assert b.outputs[0].token_ids == run(local, follow).outputs[0].token_ids
+    assert Engine(MODEL, kv_tiers=[url]).generate([follow], GREEDY)[0].num_cached_tokens == 0  # float64 pool
+    reader.close(30)
+
+
+def chain_names(prompt: list[int], count: int) -> list[str]:
+    """Tier key names of the first `count` blocks of `prompt` for MODEL's unsalted float64 chain."""
+    parent, names = root_key(MODEL.fingerprint, MODEL.dtype, MODEL.dtype), []
+    for index in range(count):
+        parent = block_key(parent, tuple(prompt[index * 16:(index + 1) * 16]))
+        names.append(key_name(tier_key(parent, 16)))
+    return names
+
+
+def test_tiers_are_tried_in_order_and_the_second_continues_the_first(tmp_path):
+    near_url, far_url = f"file://{tmp_path}/near", f"file://{tmp_path}/far"
+    writer = Engine(MODEL, kv_tiers=[near_url, far_url])  # writes go to both
+    run(writer, PROMPT)
+    writer.close(30)
+    near, far = FileTier(near_url), FileTier(far_url)
+    names = chain_names(PROMPT, 5)
+    assert near.run_length(names) == far.run_length(names) == 5
+    for name in names[2:]:
+        near._path(name).unlink()  # near holds blocks 0-1 only
+    for name in names[:2]:
+        far._path(name).unlink()   # far holds blocks 2-4 only: a hit of 5 needs both, in this order
+    both = Engine(MODEL, kv_tiers=[near_url, far_url])
+    out = run(both, PROMPT)
+    assert out.num_cached_tokens == 80 and out.outputs[0].token_ids == cold(PROMPT)
+    assert both.stats()["kv_tier_hit_blocks"] == 5
+    both.close(30)
+    reversed_order = Engine(MODEL, kv_tiers=[far_url, near_url])  # far misses block 0, near stops at 2
+    assert run(reversed_order, PROMPT).num_cached_tokens == 32
+    reversed_order.close(30)
