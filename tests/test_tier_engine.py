@@ -46,6 +46,12 @@ def test_a_restarted_engine_starts_warm_from_the_disk_tier(tmp_path):
     assert stats["kv_tier_hit_blocks"] == 6 and stats["kv_tier_hit_tokens"] == 96
     assert stats["kv_tier_read_bytes"] > 6 * second.block_pool.bytes_per_block
     assert stats["num_prefill_tokens"] == len(follow) - 96
+    second.add_request("shown", follow, GREEDY)
+    second.step()  # the hit is admitted and the rest of the prompt computed: the explorer's view of it
+    [shown] = second.cache_state()["requests"]
+    assert shown["num_cached_tokens"] == shown["num_tier_tokens"] == 96
+    while second.has_unfinished_requests():
+        second.step()
     again = run(second, follow)  # now held locally: no second tier read
     assert again.num_cached_tokens == 96 and second.stats()["kv_tier_hit_blocks"] == 6
     second.close(30)

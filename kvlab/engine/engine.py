@@ -400,6 +400,8 @@ class Engine:
                     "request_id": request.request_id, "index": seq.index, "status": seq.status.value,
                     "num_prompt_tokens": request.num_prompt_tokens,
                     "num_cached_tokens": request.num_cached_tokens,
+                    "num_tier_tokens": self.cache_listener.tier_tokens(seq.block_keys)  # issue 23
+                    if self.cache_listener is not None else 0,
                     "num_computed_tokens": seq.num_computed_tokens,
                     "num_output_tokens": len(seq.output_token_ids), "block_table": list(seq.block_table)})
         return {"block_size": size, "num_blocks": pool.num_blocks, "num_free_blocks": pool.num_free_blocks,

@@ -39,6 +39,7 @@ class CacheListeners:
         self.tier = tier
         self.events = events
         self._closed = False
+        self._from_tier: set[bytes] = set()  # chain keys of cached blocks that were loaded from the tier
 
     def _announce(self, key: bytes, parent: bytes, token_ids: Sequence[int], root: bytes) -> None:
         if self.events is not None and root == self.public_root:
@@ -56,12 +57,19 @@ class CacheListeners:
             return blocks, keys
         blocks, keys, loaded = self.tier.lookup(token_ids, root, blocks, keys)
         for key, parent, chunk in loaded:
+            self._from_tier.add(key)
             self._announce(key, parent, chunk, root)
         return blocks, keys
 
     def on_block_removed(self, info: Any) -> None:
+        self._from_tier.discard(info.key)
         if self.events is not None:
             self.events.removed(info.key)
+
+    def tier_tokens(self, keys: Sequence[bytes]) -> int:
+        """Tokens of a sequence's blocks (by chain key) that came from the tier: the explorer shows them."""
+        size = self.tier.block_size if self.tier is not None else 0
+        return sum(size for key in keys if key in self._from_tier)
 
     def on_cleared(self) -> None:
         if self.events is not None:
