@@ -101,14 +101,19 @@ class KVEventPublisher:
                     events = [e for e in events if e is not _STOP]
                     stopping = True
                 if events:
-                    self._send(socket, events)
+                    try:
+                        self._send(socket, events)
+                    except Exception:  # never let the publisher die (the queue would grow unread)
+                        log.exception("KV event batch not sent; the router will see a sequence gap")
         finally:
             socket.close()
 
     def _send(self, socket: Any, events: list[dict[str, Any]]) -> None:
         payload = msgpack.packb([time.time(), events, 0], use_bin_type=True)
-        socket.send_multipart([self.topic, struct.pack(">Q", self.seq), payload])
-        self.seq += 1
+        try:
+            socket.send_multipart([self.topic, struct.pack(">Q", self.seq), payload])
+        finally:
+            self.seq += 1  # a batch that failed leaves a gap, which makes the router drop this worker's claims
         self.num_sent += len(events)
 
     def close(self, timeout: float = 2.0) -> None:
