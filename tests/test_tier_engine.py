@@ -89,7 +89,7 @@ def test_corrupt_files_are_refused_and_recomputed_exactly(tmp_path):
     reader.close(30)
 
 
-def test_tier_blocks_fill_only_free_blocks_and_keep_the_pool_balanced(tmp_path):
+def test_tier_hits_in_a_small_pool_keep_it_balanced_and_exact(tmp_path):
     url = f"file://{tmp_path}/tier"
     writer = Engine(MODEL, kv_tiers=[url])
     run(writer, PROMPT)
