@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("formats and policies", ("kvlab.hf", "kvlab.gguf", "kvlab.policies")),
     ("loader and generation", ("kvlab.loader", "kvlab.generation")),
     ("prefix cache", ("kvlab.prefix",)),
+    ("shared tier and events", ("kvlab.tier", "kvlab.events")),
     ("engine", ("kvlab.engine",)),
     ("sessions", ("kvlab.sessions",)),
     ("verify/fidelity/perplexity", ("kvlab.verify", "kvlab.fidelity", "kvlab.perplexity")),

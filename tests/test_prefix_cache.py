@@ -154,7 +154,7 @@ class Recorder:
     def block_removed(self, info):
         self.events.append(("removed", info.token_ids))
 
-    def prefix_miss(self, cache, token_ids, parent, start):
+    def prefix_miss(self, cache, token_ids, parent, start, hit):
         self.events.append(("miss", start))
         chunk = list(token_ids[start:start + 4])
         if chunk == self.tokens[start:start + 4]:

@@ -64,6 +64,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="most tokens per step; longer prompts are prefilled in chunks (default 512)")
     engine.add_argument("--max-waiting", type=int, default=256,
                         help="most requests waiting for admission; more get 429 (default 256)")
+    # kvlab tier/events flags (issue 23)
+    scale = p.add_argument_group("scale-out")
+    scale.add_argument("--kv-tier", action="append", default=None, metavar="URL",
+                       help="a K/V tier behind the prefix cache, repeatable, tried in order: "
+                            "redis://HOST:PORT/DB or valkey://... (shared by instances; ?ttl=S&timeout=S&retry=S), "
+                            "file:///DIR (survives restarts)")
+    scale.add_argument("--kv-events-config", default=None, metavar="JSON",
+                       help="publish KV cache events as vLLM does, e.g. '{\"enable_kv_cache_events\": true, "
+                            "\"publisher\": \"zmq\", \"endpoint\": \"tcp://127.0.0.1:5557\", \"topic\": \"\"}'")
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="seconds requests in flight may finish after SIGTERM before they are aborted")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -95,7 +104,8 @@ def build_engine(args: argparse.Namespace):
                     kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=kv_dtype,
-                    max_model_len=args.max_model_len)
+                    max_model_len=args.max_model_len, kv_tiers=getattr(args, "kv_tier", None),
+                    kv_events_config=getattr(args, "kv_events_config", None))
     name = gguf.stem if gguf is not None else args.model if args.model is not None else folder.name
     return engine, tokenizer, name, str(folder)
 
@@ -144,6 +154,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvlab serve: {names[0]} on http://{args.host}:{args.port} (explorer at /, metrics at /metrics) | "
           f"{pool.num_blocks} blocks x {args.block_size} tokens | max_model_len {engine.max_model_len} | "
           f"prefix caching {'on' if args.enable_prefix_caching else 'off'}"
+          + (f" | kv tier {', '.join(engine.cache_listener.tier.names)}" if args.kv_tier else "")
+          + (f" | kv events on {engine.cache_listener.events.config.endpoint}"
+             if engine.cache_listener is not None and engine.cache_listener.events is not None else "")
           + (" | API key required" if args.api_key else ""), file=sys.stderr, flush=True)
-    Server(config).run()
+    try:
+        Server(config).run()
+    finally:
+        engine.close(args.shutdown_timeout)  # issue 23: drain the KV tier's write queue, stop KV events
     return 0

@@ -27,6 +27,7 @@ from kvlab.model.llama import LlamaModel
 from kvlab.prefix.block_hash import root_key
 from kvlab.prefix.prefix_cache import PrefixCache
 from kvlab.sampling.sampler import SamplingParams
+from kvlab.tier.listener import build_listeners
 
 
 class Engine:
@@ -38,9 +39,12 @@ class Engine:
     explorer. This class is the loop and its public API.
     """
 
-    def __init__(self, model: LlamaModel, tokenizer: Any = None, **settings: Any) -> None:
+    def __init__(self, model: LlamaModel, tokenizer: Any = None, *, kv_tiers: Seq[Any] | None = None,
+                 kv_events_config: Any = None, **settings: Any) -> None:
         """`settings`: EngineConfig.create's keywords (block_size, num_blocks, kv_cache_memory, max_num_seqs,
-        max_num_batched_tokens, enable_prefix_caching, kv_cache_dtype, max_model_len)."""
+        max_num_batched_tokens, enable_prefix_caching, kv_cache_dtype, max_model_len). `kv_tiers`: shared
+        K/V tier URLs behind the prefix cache, tried in order (redis://, valkey://, file:///dir);
+        `kv_events_config`: vLLM's KV events config (kvlab/tier, kvlab/events)."""
         self.config = config = EngineConfig.create(model, **settings)
         c = model.config
         self.model = model
@@ -50,6 +54,12 @@ class Engine:
         self.block_pool = BlockPool(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, config.kv_cache_dtype,
                                     config.block_size, config.num_blocks, compute_dtype=model.dtype)
         self.prefix_cache = PrefixCache(self.block_pool, config.enable_prefix_caching)
+        # the KV tier and vLLM-format KV events listen to the prefix cache (kvlab/tier/listener.py)
+        self.cache_listener = build_listeners(
+            self.block_pool, root_key(model.fingerprint, model.dtype, config.kv_cache_dtype), kv_tiers,
+            kv_events_config, config.enable_prefix_caching)
+        if self.cache_listener is not None:
+            self.prefix_cache.listeners.append(self.cache_listener)
         self.counters = StepCounters()
         self.scheduler = Scheduler(self.block_pool, self.prefix_cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.counters)
@@ -227,7 +237,14 @@ class Engine:
         if self.block_pool.num_used_blocks:
             return False
         self.prefix_cache.evict_all()
+        if self.cache_listener is not None:  # AllBlocksCleared
+            self.cache_listener.on_cleared()
         return True
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Drain the KV tier's queued writes (at most `timeout` seconds) and stop the KV event publisher."""
+        if self.cache_listener is not None:
+            self.cache_listener.close(timeout)
 
     def stats(self) -> dict[str, Any]:
         return engine_stats(self)

@@ -42,6 +42,7 @@ def engine_stats(engine: "Engine") -> dict[str, Any]:
         "num_free_blocks": pool.num_free_blocks,
         "num_blocks": pool.num_blocks,
         **asdict(engine.counters),
+        **(engine.cache_listener.stats() if engine.cache_listener is not None else {}),  # the KV tier
     }
 
 
@@ -84,6 +85,8 @@ def cache_state(engine: "Engine") -> dict[str, Any]:
                 "request_id": request.request_id, "index": seq.index, "status": seq.status.value,
                 "num_prompt_tokens": request.num_prompt_tokens,
                 "num_cached_tokens": request.num_cached_tokens,
+                "num_tier_tokens": engine.cache_listener.tier_tokens(seq.block_keys)
+                if engine.cache_listener is not None else 0,
                 "num_computed_tokens": seq.num_computed_tokens,
                 "num_output_tokens": len(seq.output_token_ids), "block_table": list(seq.block_table),
                 "root_key": request.root_key.hex()})

@@ -60,9 +60,11 @@ class PrefixCacheListener(Protocol):
     def block_removed(self, info: CachedBlock) -> None:
         """A cached block was evicted: its key no longer finds anything here."""
 
-    def prefix_miss(self, cache: "PrefixCache", token_ids: Sequence[int], parent: bytes, start: int) -> None:
-        """The local match stopped at token `start` (a block boundary) under `parent`. A tier may allocate
-        blocks, write their K/V, `cache.register` them and release them; the match then continues."""
+    def prefix_miss(self, cache: "PrefixCache", token_ids: Sequence[int], parent: bytes, start: int,
+                    hit: Sequence[int]) -> None:
+        """The local match stopped at token `start` (a block boundary) under `parent`, after the blocks
+        `hit`. A tier may allocate blocks (holding `hit` meanwhile, so the LRU does not hand them out),
+        write their K/V, `cache.register` them and release them; the match then continues."""
 
 
 class PrefixCache:
@@ -93,7 +95,8 @@ class PrefixCache:
             self._walk(token_ids, root, blocks, keys)
             if self.listeners and (len(blocks) + 1) * self.pool.block_size <= len(token_ids):
                 for listener in self.listeners:
-                    listener.prefix_miss(self, token_ids, keys[-1] if keys else root, len(blocks) * self.pool.block_size)
+                    listener.prefix_miss(self, token_ids, keys[-1] if keys else root,
+                                         len(blocks) * self.pool.block_size, blocks)
                 self._walk(token_ids, root, blocks, keys)
             return blocks, keys
 

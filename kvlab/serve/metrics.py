@@ -12,6 +12,8 @@ from typing import Any, Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kvlab.tier.listener import LISTENER_COUNTERS
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # (metric name without prefix, engine.stats() key, help); counters get Prometheus' `_total` suffix
@@ -26,6 +28,7 @@ ENGINE_COUNTERS = [
     ("num_preemptions", "num_preemptions", "Requests preempted (recomputed later) for lack of blocks"),
     ("prompt_tokens", "num_prompt_tokens", "Prompt tokens processed"),
     ("generation_tokens", "num_generation_tokens", "Tokens generated"),
+    *LISTENER_COUNTERS,  # issue 23: KV tier (lookups, hits, bytes, dropped, refused, errors), KV events
 ]
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0)

@@ -129,7 +129,8 @@ function renderRequests(s) {
     body.append(el("tr", { class: "request", "data-id": r.request_id },
       el("td", { text: r.request_id.slice(0, 22) }), el("td", { text: r.status }),
       el("td", { text: `${r.num_prompt_tokens}` }),
-      el("td", {}, split, el("span", { class: "dim", text: ` ${r.num_cached_tokens} cached` })),
+      el("td", {}, split, el("span", { class: "dim", text: ` ${r.num_cached_tokens} cached` +
+        (r.num_tier_tokens ? ` (${r.num_tier_tokens} from the KV tier)` : "") })),
       el("td", { text: `${r.num_output_tokens}` }), el("td", { text: `${r.block_table.length}` })));
   }
   if (!s.requests.length) body.append(el("tr", {}, el("td", { class: "dim", colspan: 6, text: "idle" })));
