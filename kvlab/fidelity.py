@@ -14,12 +14,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
 from kvlab.errors import InputError
 from kvlab.model.llama import LlamaModel
+from kvlab.model.quantized import QUANTIZE_TYPES, QuantizedMatrix, dequantized, quant_type, quantize_weights
 from kvlab.perplexity import log_softmax, windows
 from kvlab.policies.apply import forward_with_policy
 from kvlab.policies.parse import CacheChoice, parse_cache_choice
@@ -138,4 +139,75 @@ def measure_fidelity(model: LlamaModel, token_ids: Sequence[int], bos_token_id: 
             bytes_per_token=t["peak_bytes"] / max(t["peak_tokens"], 1), peak_tokens=t["peak_tokens"],
             peak_bytes=t["peak_bytes"], evicted_tokens=t["evicted"],
             decode_tokens_per_s=count / t["seconds"] if t["seconds"] else 0.0))
+    return rows
+
+
+# --- weight quantization ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WeightFidelityRow:
+    name: str
+    tokens: int
+    kl_mean: float           # nats, KL(float || quantized) averaged over positions
+    kl_max: float
+    top1_agreement: float    # fraction of positions whose argmax equals the float model's
+    perplexity: float
+    perplexity_change: float  # relative to the float model: 0.01 = +1 %
+    file_bytes_per_weight: float      # as ggml blocks in a GGUF file (matrices only)
+    resident_bytes_per_weight: float  # as kvlab keeps them (codes + float32 scales/offsets)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _matrix_bytes(weights: Mapping[str, np.ndarray | QuantizedMatrix]) -> tuple[float, float]:
+    matrices = [w for w in weights.values() if np.ndim(w) == 2 or isinstance(w, QuantizedMatrix)]
+    count = sum(int(np.prod(w.shape)) for w in matrices)
+    file_bytes = sum(w.file_bytes if isinstance(w, QuantizedMatrix) else w.nbytes for w in matrices)
+    resident = sum(w.nbytes for w in matrices)
+    return file_bytes / count, resident / count
+
+
+def weight_fidelity(config, weights: Mapping[str, np.ndarray], token_ids: Sequence[int], bos_token_id: int,
+                    types: Sequence[str] = QUANTIZE_TYPES, context: int | None = None,
+                    progress: Callable[[str], None] | None = None) -> list[WeightFidelityRow]:
+    """One row for the float weights ("float32", first) and one per quantization type, over `token_ids`."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    if ids.ndim != 1 or ids.size == 0:
+        raise InputError("weight fidelity needs a non-empty 1-D token stream")
+    kinds = [quant_type(t) for t in types]  # all refused before any run
+    context = context or config.max_position_embeddings
+    if not 0 < context <= config.max_position_embeddings:
+        raise InputError(f"context must be in 1..{config.max_position_embeddings}, got {context}")
+    float_weights = {name: np.asarray(w, dtype=np.float32) for name, w in weights.items()}
+    reference = LlamaModel(config, float_weights, dtype=np.float32)
+    variants: list[tuple[str, Mapping]] = [("float32", float_weights)]
+    variants += [(kind, quantize_weights(float_weights, kind)) for kind in kinds]
+    spans = list(windows(len(ids), context, context))
+    exact_logp = []
+    for b, i, e in spans:
+        window = np.concatenate([[bos_token_id], ids[b:e - 1]])[None]
+        exact_logp.append(log_softmax(reference.forward(window).logits[0])[i - b:])
+    rows: list[WeightFidelityRow] = []
+    for name, variant in variants:
+        if progress:
+            progress(f"weights {name}")
+        model = reference if name == "float32" else LlamaModel(config, dequantized(variant), dtype=np.float32)
+        kl_total = kl_max = nll = 0.0
+        agree = count = 0
+        for (b, i, e), exact in zip(spans, exact_logp):
+            window = np.concatenate([[bos_token_id], ids[b:e - 1]])[None]
+            logp = log_softmax(model.forward(window).logits[0])[i - b:]
+            targets = ids[i:e]
+            kl = np.maximum((np.exp(exact) * (exact - logp)).sum(axis=-1), 0.0)
+            kl_total += float(kl.sum())
+            kl_max = max(kl_max, float(kl.max()))
+            agree += int((logp.argmax(-1) == exact.argmax(-1)).sum())
+            nll -= float(logp[np.arange(targets.size), targets].sum())
+            count += targets.size
+        file_bpw, resident_bpw = _matrix_bytes(variant)
+        ppl = math.exp(nll / count)
+        rows.append(WeightFidelityRow(name=name, tokens=count, kl_mean=kl_total / count, kl_max=kl_max,
+                                      top1_agreement=agree / count, perplexity=ppl,
+                                      perplexity_change=ppl / rows[0].perplexity - 1 if rows else 0.0,
+                                      file_bytes_per_weight=file_bpw, resident_bytes_per_weight=resident_bpw))
     return rows

@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvlab.config import ModelConfig
 from kvlab.gguf.loader import gguf_file, load_gguf
 from kvlab.hf import generation_config, loader as hf
@@ -62,3 +64,18 @@ def model_sampling(path: str | Path | None) -> ModelSampling | None:
         return generation_config.from_json(Path(path).expanduser() / "generation_config.json")
     beside = generation_config.from_json(found.parent / "generation_config.json")
     return beside if beside is not None else from_metadata(found)
+
+
+def read_float_weights(path: str | Path | None = None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """(config, float32 weights by HF name) of an HF folder or a GGUF file (dequantized); None: the default
+    model. For tools that transform weights (kvlab quantize, kvlab fidelity --weights)."""
+    from kvlab.gguf.loader import read_checkpoint
+
+    if gguf_file(path) is not None:
+        checkpoint = read_checkpoint(path, np.float32, progress=False)
+        return checkpoint.config, dict(checkpoint.weights)
+    folder = hf.resolve_model_dir(path)
+    config = hf.load_config(folder)
+    headers, _, source = hf.weight_headers(folder)
+    hf.check_headers(config, headers, source)
+    return config, hf.read_weights(headers, np.dtype(np.float32), False, keep_half=False)

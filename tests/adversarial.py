@@ -3,7 +3,9 @@
 Each bad input is tried through one of these helpers, which asserts the promise kvlab makes for it: the
 API raises a KVLabError subclass; the CLI exits non-zero with exactly one line on stderr and no traceback;
 and in both cases caches, sessions and files are exactly as before. `TALLY` counts inputs tried and inputs
-handled cleanly; conftest.py prints it at the end of the run (the goal: the two are equal).
+handled cleanly; conftest.py prints it at the end of the run (the goal: the two are equal). `SERVER_TALLY`
+does the same for hostile HTTP requests (test_adversarial_server.py): each is answered with the expected
+4xx in OpenAI's error shape, never a 5xx, and the server is healthy and its pool balanced after.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import pytest
 from kvlab.errors import KVLabError
 
 TALLY = {"tried": 0, "clean": 0}
+SERVER_TALLY = {"tried": 0, "clean": 0}   # hostile HTTP requests (test_adversarial_server.py)
 
 
 def refuses(call: Callable[[], Any], error: type[BaseException] = KVLabError, match: str | None = None

@@ -26,3 +26,7 @@ def pytest_terminal_summary(terminalreporter):
     if tally and tally["tried"]:
         terminalreporter.write_line(f"adversarial inputs: {tally['tried']} tried, {tally['clean']} handled "
                                     "cleanly (one KVLabError / one stderr line, state unchanged)")
+    server = getattr(sys.modules.get("adversarial"), "SERVER_TALLY", None)
+    if server and server["tried"]:
+        terminalreporter.write_line(f"adversarial server requests: {server['tried']} tried, {server['clean']} "
+                                    "answered cleanly (OpenAI error shape, the right 4xx, pool balanced)")

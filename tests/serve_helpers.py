@@ -74,7 +74,8 @@ class ServerProcess:
         return httpx.get(f"{self.url}{path}", timeout=30, **kw)
 
     def post(self, path: str, body: Any = None, **kw: Any) -> httpx.Response:
-        return httpx.post(f"{self.url}{path}", json=body, timeout=60, **kw)
+        """POST `body` as JSON ({} when None: every POST needs a JSON body)."""
+        return httpx.post(f"{self.url}{path}", json={} if body is None else body, timeout=60, **kw)
 
     def cache_state(self, **kw: Any) -> dict[str, Any]:
         response = self.get("/v1/cache/state", **kw)
@@ -106,3 +107,39 @@ class ServerProcess:
 
 def clean_exit(status: int) -> bool:
     return status in (0, -signal.SIGTERM)
+
+
+class InProcessServer:
+    """`create_app(...)` served by uvicorn on a thread of this process (127.0.0.1, a free port), for tests
+    that must reach inside the engine (inject a fault, watch threads). `stop()` ends it and joins."""
+
+    def __init__(self, app: Any) -> None:
+        import threading
+
+        import uvicorn
+
+        self.app = app
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the in-process server did not start")
+            time.sleep(0.02)
+
+    @property
+    def engine_loop(self) -> Any:
+        return self.app.state.kvlab.engine_loop
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    def get(self, path: str, **kw: Any) -> httpx.Response:
+        return httpx.get(f"{self.url}{path}", timeout=30, **kw)
+
+    def post(self, path: str, body: Any = None, **kw: Any) -> httpx.Response:
+        return httpx.post(f"{self.url}{path}", json={} if body is None else body, timeout=60, **kw)

@@ -191,3 +191,63 @@ def test_interactive_chat_on_a_terminal(tmp_path: Path) -> None:
     text = seen.decode("utf-8", "replace")
     assert "kvlab chat" in text and "/help" in text and "reused 0 · computed 6" in text
     assert "hello" in history.read_text()
+
+
+def test_a_sampled_reply_is_kept_as_generated_ids_and_the_next_turn_reuses_all_of_it(tmp_path: Path) -> None:
+    """A reply's ids re-encoded from its text need not be the same ids ("t","h","e" -> "the"): the next
+    turn must be built on the ids the session cached, so an append-only turn reuses every cached row."""
+    import kvlab
+    from kvlab.sessions.conversation import Conversation
+
+    make_model_folder(tmp_path / "m", CHATML)
+    model, tokenizer = kvlab.load(tmp_path / "m")
+    session = kvlab.Session(model)
+    conversation = Conversation()
+    conversation.add("user", "To be, or not to be")
+    prompt = conversation.render(tokenizer)
+    reply = [tokenizer.encode(c, add_bos=False)[0] for c in " the"] + [1]  # as a sampler might pick; 1 = </s>
+    assert tokenizer.encode(tokenizer.decode(reply), add_bos=False) != reply[:-1]  # text loses the ids
+    session.feed(prompt + reply)  # what generation leaves in the session: prompt and every generated id
+    conversation.add("assistant", tokenizer.decode(reply), reply)
+    conversation.add("user", "that is the question")
+    following = conversation.render(tokenizer)
+    assert following[:len(prompt) + len(reply)] == prompt + reply
+    turn = session.feed(following)
+    assert turn.reused == len(prompt) + len(reply) and turn.computed == len(following) - turn.reused
+    # and once more: the second reply is spliced after the first
+    second = [tokenizer.encode(c, add_bos=False)[0] for c in " is"]
+    conversation.add("assistant", tokenizer.decode(second), second)
+    conversation.add("user", "whether")
+    assert conversation.render(tokenizer)[:len(following) + len(second)] == following + second
+
+
+def test_a_template_that_rewrites_history_stops_the_splice_at_the_changed_reply(tmp_path: Path) -> None:
+    """A template that drops earlier replies: the render is tokenized from text (nothing to splice), so
+    reuse stops at the first token that changed, as before."""
+    import kvlab
+    from kvlab.sessions.conversation import Conversation
+
+    drops_replies = ("{% for m in messages %}{% if m['role'] != 'assistant' %}<|{{ m['role'] }}|>{{ m['content'] }}"
+                     "</s>{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    make_model_folder(tmp_path / "m", drops_replies)
+    _, tokenizer = kvlab.load(tmp_path / "m")
+    conversation = Conversation()
+    conversation.add("user", "To be")
+    reply = [tokenizer.encode(c, add_bos=False)[0] for c in " the"]
+    conversation.add("assistant", tokenizer.decode(reply), reply)
+    conversation.add("user", "or not")
+    text = tokenizer.apply_chat_template(conversation.to_json())
+    assert conversation.render(tokenizer) == tokenizer.encode(text, add_bos=False)
+
+
+def test_piped_chat_with_sampling_reuses_everything_the_first_turn_cached(tmp_path: Path) -> None:
+    """`kvlab chat` sampling at temperature 1 (replies whose text re-encodes to other ids): turn 2 reuses
+    every token turn 1 left cached."""
+    make_model_folder(tmp_path / "m", CHATML)
+    command = [sys.executable, "-m", "kvlab.cli", "chat", "--model", str(tmp_path / "m"), "-n", "12",
+               "--temperature", "1", "--top-k", "0", "--top-p", "1", "--min-p", "0", "--seed", "0"]
+    result = subprocess.run(command, input="To be, or not to be\nthat is the question\n", capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    (r1, c1, n1), (r2, c2, n2) = stats(result.stderr)
+    assert r1 == 0 and r2 == n1 and n2 > n1

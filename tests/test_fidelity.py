@@ -80,3 +80,34 @@ def test_cli_json_table_and_plot_on_the_shipped_model(tmp_path):
 def test_cli_bad_policy_is_a_clear_error():
     out = kvlab("fidelity", "--max-tokens", "8", "--policy", "window:0")
     assert out.returncode == 2 and "window size W must be >= 1" in out.stderr
+
+
+def test_weight_quantization_fidelity_is_ordered_by_bits_and_float32_is_exact():
+    from kvlab.model.weights import random_weights
+    from kvlab.fidelity import weight_fidelity
+
+    config = TinyLlama(seed=0).config.replace(intermediate_size=64)
+    weights = random_weights(config, 4, np.float32)
+    ids = np.random.default_rng(0).integers(1, config.vocab_size, size=90).tolist()
+    rows = weight_fidelity(config, weights, ids, 0, ["q8_0", "Q5_0", "q4_0"], context=32)
+    assert [r.name for r in rows] == ["float32", "Q8_0", "Q5_0", "Q4_0"]
+    exact, q8, q5, q4 = rows
+    assert exact.kl_mean == 0 and exact.top1_agreement == 1 and exact.perplexity_change == 0
+    assert exact.file_bytes_per_weight == exact.resident_bytes_per_weight == 4
+    assert 0 < q8.kl_mean < q5.kl_mean < q4.kl_mean and q4.top1_agreement < 1
+    assert (q8.file_bytes_per_weight, q5.file_bytes_per_weight, q4.file_bytes_per_weight) == (1.0625, 0.6875,
+                                                                                             0.5625)
+    assert q4.resident_bytes_per_weight == 0.75 and all(r.tokens == 90 for r in rows)
+    with pytest.raises(InputError, match="unknown weight quantization 'q3_x'; choose from q8_0"):
+        weight_fidelity(config, weights, ids, 0, ["q8_0", "q3_x"])
+
+
+def test_cli_weight_fidelity_json_and_bad_type():
+    run = [sys.executable, "-m", "kvlab.cli", "fidelity", "--weights", "q8_0,q4_1", "--max-tokens", "64",
+           "--json"]
+    out = subprocess.run(run, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["rows"]
+    assert [r["name"] for r in rows] == ["float32", "Q8_0", "Q4_1"] and rows[1]["kl_mean"] < rows[2]["kl_mean"]
+    bad = subprocess.run(run[:5] + ["q8_0,q9"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "unknown weight quantization 'q9'" in bad.stderr and not bad.stdout

@@ -163,3 +163,56 @@ def test_stdin_prompt_and_context_end(folder):
     assert proc.returncode == 0, proc.stderr
     assert "stop: context full" in proc.stderr
     assert f"cache {CONFIG.max_position_embeddings} tokens" in proc.stderr
+
+
+def test_an_overlong_prompt_is_refused_before_it_is_echoed(folder):
+    long = kvlab_generate("--model", str(folder), TEXT * 20, check=False)
+    assert long.returncode == 2 and "context" in long.stderr and long.stdout == ""
+
+
+def test_a_model_with_a_chat_template_run_without_chat_says_so(tmp_path, folder):
+    write_folder(tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %} Answer:"
+    (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps(config))
+    raw = kvlab_generate("--model", str(tmp_path / "m"), "winter", "-n", "2", "--ignore-eos")
+    assert "has a chat template" in raw.stderr and "--chat" in raw.stderr and "chat template" not in raw.stdout
+    templated = kvlab_generate("--model", str(tmp_path / "m"), "--chat", "winter", "-n", "2", "--ignore-eos")
+    assert "has a chat template" not in templated.stderr
+    plain = kvlab_generate("--model", str(folder), "winter", "-n", "2", "--ignore-eos")  # no template: no note
+    assert "has a chat template" not in plain.stderr
+
+
+def test_seed_minus_one_says_which_seed_it_drew_and_that_seed_repeats_the_run(folder):
+    args = ("--model", str(folder), "winter", "-n", "8", "--ignore-eos", "--temperature", "1.5", "--top-k", "0",
+            "--top-p", "1", "--min-p", "0")
+    drawn = kvlab_generate(*args, "--seed", "-1", "-v")
+    seeds = re.findall(r"seed (\d+) \(drawn for --seed -1; --seed \1 repeats this run\)", drawn.stderr)
+    assert len(seeds) == 2  # once with -v before generating, once on the stats line
+    assert seeds[0] == seeds[1]
+    again = kvlab_generate(*args, "--seed", seeds[0])
+    assert again.stdout == drawn.stdout and "drawn" not in again.stderr
+
+
+def test_the_stats_line_reports_a_compile_only_when_numba_compiled():
+    from kvlab.cli.generate import GenerationStats
+    from kvlab.kernels import AVAILABLE, CompileCounter
+
+    stats = GenerationStats(prompt_tokens=3, computed_prompt_tokens=3, prefill_seconds=0.1, new_tokens=2,
+                            decode_seconds=0.1, cache_tokens=5, cache_bytes=10, cache_dtype="float32",
+                            stop_reason="max tokens", compile_seconds=0.0)
+    assert "kernels compiled" not in stats.line()
+    stats.compile_seconds = 0.3  # a short compile is still a compile
+    assert "kernels compiled 0.3 s" in stats.line()
+    if not AVAILABLE:
+        pytest.skip("numba is not installed")
+    import numba
+
+    model = kvlab.TinyLlama(seed=1, dtype=np.float32)
+    model.warm_up()
+    with CompileCounter() as warm:  # every kernel is compiled in this process already: nothing compiles
+        model.warm_up()
+    assert warm.count == 0
+    with CompileCounter() as fresh:
+        numba.njit(lambda x: x + 1)(1)
+    assert fresh.count >= 1

@@ -105,20 +105,40 @@ def threshold(rows: int):
 
 
 @given(batch=st.integers(1, 3), kv_heads=st.integers(1, 3), group=st.integers(1, 4),
-       head_dim=st.sampled_from([2, 8, 64]), length=st.integers(1, 200), data=st.data(),
+       head_dim=st.sampled_from([2, 8, 64, 128]), length=st.integers(1, 200), data=st.data(),
        cache=st.sampled_from(WEIGHT_DTYPES), parallel=st.booleans(), seed=st.integers(0, 2**16))
 def test_contiguous_decode_attention_equals_twin(batch, kv_heads, group, head_dim, length, data, cache, parallel,
                                                  seed):
     rng = np.random.default_rng(seed)
     start = data.draw(st.integers(0, length - 1), label="start (window)")
     capacity = length + data.draw(st.integers(0, 9), label="spare capacity")
+    # small magnitudes put float16 rows among its subnormals (below 6.1e-5), which widen exactly too
+    magnitude = data.draw(st.sampled_from([1.0, 1e-3, 1e-6]), label="value magnitude")
     keys = (2 * rng.standard_normal((batch, kv_heads, capacity, head_dim))).astype(as_dtype(cache))
-    values = rng.standard_normal((batch, kv_heads, capacity, head_dim)).astype(as_dtype(cache))
+    values = (magnitude * rng.standard_normal((batch, kv_heads, capacity, head_dim))).astype(as_dtype(cache))
     q = (2 * rng.standard_normal((batch, kv_heads * group, head_dim))).astype(np.float32)
     with threshold(0 if parallel else 10**9):
         got = attention.decode_attention(q, keys, values, start, length)
     want = attention.decode_attention_reference(q, keys, values, start, length)
-    assert np.abs(got - want).max() <= 2e-6 * head_dim
+    assert np.abs(got - want).max() <= 2e-6 * head_dim * magnitude
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16])
+def test_decode_attention_reads_every_half_precision_bit_pattern_exactly(dtype):
+    """One key per sequence: the softmax weight is exactly 1, so the output must be the stored value row
+    widened exactly, for every finite float16/bfloat16 bit pattern (normals, subnormals, signed zeros)."""
+    bits = np.arange(1 << 16, dtype=np.uint16).view(dtype)
+    bits = bits[np.isfinite(bits.astype(np.float32))]
+    head_dim = 64
+    rows = -(-bits.size // head_dim)
+    values = np.zeros(rows * head_dim, dtype=dtype)
+    values[:bits.size] = bits
+    values = values.reshape(rows, 1, 1, head_dim)
+    keys = np.ones_like(values)
+    q = np.ones((rows, 2, head_dim), dtype=np.float32)  # two query heads share the KV head (GQA)
+    got = attention.decode_attention(q, keys, values, 0, 1)
+    want = values.astype(np.float32).reshape(rows, 1, head_dim)
+    assert np.array_equal(got[:, 0], want[:, 0]) and np.array_equal(got[:, 1], want[:, 0])
 
 
 @given(num_seqs=st.integers(1, 4), kv_heads=st.integers(1, 3), group=st.integers(1, 3),
@@ -166,7 +186,7 @@ def test_paged_attention_refuses_bad_ranges():
 
 # --- prefill attention ----------------------------------------------------------------------------------
 @given(batch=st.integers(1, 3), kv_heads=st.integers(1, 3), group=st.integers(1, 4),
-       head_dim=st.sampled_from([2, 8, 64]), num_new=st.integers(1, 90), cached=st.integers(0, 70),
+       head_dim=st.sampled_from([2, 8, 64, 128]), num_new=st.integers(1, 90), cached=st.integers(0, 70),
        window=st.one_of(st.none(), st.integers(1, 40)), causal=st.booleans(),
        cache=st.sampled_from(WEIGHT_DTYPES), compute=st.sampled_from(["float32", "float64"]),
        spare=st.integers(0, 5), seed=st.integers(0, 2**16))

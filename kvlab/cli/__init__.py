@@ -14,7 +14,8 @@ from typing import NoReturn
 from kvlab.errors import KVLabError
 
 # name -> module under kvlab.cli; each module defines add_parser(subparsers) and run(args) -> int
-COMMANDS = ["demo", "verify", "memory", "generate", "chat", "perplexity", "convert", "fidelity", "serve"]
+COMMANDS = ["demo", "verify", "memory", "generate", "chat", "perplexity", "convert", "quantize", "fidelity",
+            "serve"]
 
 
 class Parser(argparse.ArgumentParser):

@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any, Iterator, TextIO
 
-from kvlab.cli.checks import check_sampling_flags
+from kvlab.cli.checks import check_sampling_flags, draw_seed, drawn_seed_note
 from kvlab.cli.fmt import human_bytes
 from kvlab.cli.sampling_flags import add_sampling_flags, sampling_settings
 from kvlab.sampling.defaults import ResolvedSampling
@@ -319,8 +319,8 @@ class Chat:
 def run(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise InputError("--max-tokens must be >= 1")
-    # fail before chatting; -1 (random) becomes None, so reply i's seed + i stays random
-    args.seed = check_sampling_flags(args).seed
+    check_sampling_flags(args)  # fail before chatting
+    seed_drawn = draw_seed(args)  # -1: a seed drawn now and said, so reply i's seed + i can be repeated
     sampling_settings(args, None, model_known=False)  # a bad flag fails before chatting
     model, tokenizer, name = load_model(args)
     sampling = sampling_settings(args, args.model, model_known=not isinstance(model, TinyLlama))
@@ -330,6 +330,8 @@ def run(args: argparse.Namespace) -> int:
                   f"sampling: {sampling.summary()} · /help for commands, Ctrl-D to leave")
     if args.verbose:
         chat.note(sampling.describe())
+    if seed_drawn:
+        chat.note(drawn_seed_note(args.seed))
     for line in input_lines(sys.stdin, args.history):
         if not chat.handle(line):
             break

@@ -18,8 +18,10 @@ from rich.table import Table
 
 from kvlab.cli.fmt import console, human_bytes
 from kvlab.errors import InputError
-from kvlab.fidelity import DEFAULT_CHOICES, FidelityRow, measure_fidelity
+from kvlab.fidelity import DEFAULT_CHOICES, FidelityRow, measure_fidelity, weight_fidelity
 from kvlab.policies.parse import POLICY_FORMS
+from kvlab.loader import read_float_weights
+from kvlab.model.quantized import QUANTIZE_TYPES, quant_type
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -28,11 +30,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "a cache dtype (int8, int4, int8-channel, fp8_e4m3, fp8_e5m2, float16, "
                                    "bfloat16), a policy (" + POLICY_FORMS + "), or dtype+policy "
                                    "(int8+sinks:4:60).")
-    p.add_argument("--model", help="HF model folder (default: the shipped Shakespeare model)")
+    p.add_argument("--model", help="HF model folder or .gguf file (default: the shipped Shakespeare model)")
     p.add_argument("--text", help="text file (default: validation.txt in the model folder)")
     p.add_argument("--policy", "--policies", dest="policies", action="append", metavar="CHOICE",
                    help="a cache choice, repeatable or comma-separated (default: "
                         + ",".join(DEFAULT_CHOICES) + ")")
+    p.add_argument("--weights", metavar="TYPES", default=None,
+                   help="measure weight quantization instead: GGUF types, comma-separated ("
+                        + ",".join(QUANTIZE_TYPES) + "), each against the float32 weights (KL, top-1, "
+                        "perplexity, bytes per weight), as llama-perplexity --kl-divergence does")
     p.add_argument("--max-tokens", type=int, default=512,
                    help="score the first N tokens of the text (default 512; 0 = all)")
     p.add_argument("--context", type=int, default=None,
@@ -55,8 +61,13 @@ def run(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise InputError("--plot needs matplotlib: pip install 'kvlab[plot]'") from None
+    if args.weights is not None:
+        kinds = [quant_type(t.strip()) for t in args.weights.split(",") if t.strip()]  # refused before loading
+        if not kinds:
+            raise InputError("--weights needs at least one type, e.g. --weights q8_0,q4_0")
     model, tokenizer = kvlab.load(args.model, dtype=args.dtype)
     folder = Path(args.model) if args.model else kvlab.hf.DEFAULT_MODEL_DIR
+    folder = folder.parent if folder.is_file() else folder  # a .gguf file: look beside it
     text_path = Path(args.text) if args.text else folder / "validation.txt"
     if not text_path.is_file():
         raise InputError(f"{text_path}: no such text file (give --text)")
@@ -65,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
         ids = ids[: args.max_tokens]
     err = console(stderr=True)
     started = time.perf_counter()
+    if args.weights is not None:
+        return run_weights(args, kinds, ids, tokenizer.bos_token_id, folder, text_path, err, started)
     with err.status("measuring") as status:
         rows = measure_fidelity(model, ids, tokenizer.bos_token_id, choices, args.context,
                                 progress=lambda line: status.update(line))
@@ -82,6 +95,31 @@ def run(args: argparse.Namespace) -> int:
     if not out.is_terminal:  # nine columns do not fit the 80-column default of pipes and logs
         out = Console(highlight=False, width=120)
     out.print(table(rows, f"fidelity vs the exact cache: {folder.name}, {rows[0].tokens:,} tokens"))
+    return 0
+
+
+def run_weights(args: argparse.Namespace, kinds: list[str], ids: list[int], bos: int, folder: Path,
+                text_path: Path, err: Console, started: float) -> int:
+    config, weights = read_float_weights(args.model)
+    with err.status("measuring") as status:
+        rows = weight_fidelity(config, weights, ids, bos, kinds, args.context,
+                               progress=lambda line: status.update(line))
+    err.print(f"{len(ids):,} tokens x {len(rows)} weight types in {time.perf_counter() - started:.0f}s")
+    if args.json:
+        print(json.dumps({"model": str(folder), "text": str(text_path), "tokens": rows[0].tokens,
+                          "rows": [r.to_dict() for r in rows]}, indent=2))
+        return 0
+    t = Table(title=f"weight quantization vs float32: {folder.name}, {rows[0].tokens:,} tokens")
+    for name in ("weights", "KL mean", "KL max", "top-1", "ppl", "Δppl", "file B/weight", "kvlab B/weight"):
+        t.add_column(name, justify="left" if name == "weights" else "right", no_wrap=True)
+    for r in rows:
+        t.add_row(r.name, f"{r.kl_mean:.2e}", f"{r.kl_max:.2e}", f"{100 * r.top1_agreement:.2f}%",
+                  f"{r.perplexity:.3f}", f"{100 * r.perplexity_change:+.2f}%", f"{r.file_bytes_per_weight:.4f}",
+                  f"{r.resident_bytes_per_weight:.4f}")
+    out = console()
+    if not out.is_terminal:
+        out = Console(highlight=False, width=120)
+    out.print(t)
     return 0
 
 

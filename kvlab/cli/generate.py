@@ -16,11 +16,12 @@ from typing import Any, Callable, Sequence, TextIO
 
 from kvlab.cache.dtypes import KV_CACHE_DTYPES
 from kvlab.cache.kv_cache import KVCache
-from kvlab.cli.checks import check_sampling_flags
+from kvlab.cli.checks import check_sampling_flags, draw_seed, drawn_seed_note
 from kvlab.cli.fmt import human_bytes, read_stdin
 from kvlab.cli.sampling_flags import add_sampling_flags, sampling_settings
 from kvlab.generation.generate import stream_generate
 from kvlab.errors import ContextLengthError, InputError
+from kvlab.kernels import CompileCounter
 from kvlab.model.llama import LlamaModel
 from kvlab.sessions.prompt_cache import generate_with_prompt_cache
 
@@ -76,7 +77,7 @@ class GenerationStats:
     cache_bytes: int
     cache_dtype: str
     stop_reason: str
-    compile_seconds: float = 0.0  # the compiled kernels' warm-up before the timed prefill (see line())
+    compile_seconds: float = 0.0  # the warm-up before the timed prefill, when numba compiled in it (0: it did not)
 
     def line(self) -> str:
         reused = self.prompt_tokens - self.computed_prompt_tokens
@@ -90,7 +91,7 @@ class GenerationStats:
                 f"cache {self.cache_tokens} tokens, {human_bytes(self.cache_bytes)} {self.cache_dtype} | "
                 f"stop: {self.stop_reason}"
                 + (f" | kernels compiled {self.compile_seconds:.1f} s (first run; cached on disk)"
-                   if self.compile_seconds >= 1.0 else ""))
+                   if self.compile_seconds > 0 else ""))
 
 
 class TextStream:
@@ -149,6 +150,29 @@ class TextStream:
             stop_reason=stop_reason)
 
 
+def check_prompt(prompt: Sequence[int], context: int, policy: Any = None) -> None:
+    """InputError / ContextLengthError for a prompt that cannot be continued: checked before anything is
+    printed, so a refused prompt is not echoed first."""
+    if not prompt:
+        raise InputError("the prompt is empty: there is nothing to continue")
+    if len(prompt) > context and policy is None:
+        raise ContextLengthError(f"the prompt is {len(prompt)} tokens but the model's context is {context} "
+                                 "tokens (max_position_embeddings in config.json)")
+
+
+def chat_template_hint(tokenizer: Any, chat: bool) -> str | None:
+    """The stderr note for a model with a chat template run without --chat, or None.
+
+    kvlab generate is a completion command (llama.cpp's llama-completion; its llama-cli turns conversation
+    mode on by itself when a template exists): the prompt is continued as raw text unless --chat says to
+    render it as a user message. An instruct model given a raw instruction often ends it at once (EOS
+    after one token, nothing printed), so say that --chat exists rather than change what the command does."""
+    if chat or getattr(tokenizer, "chat_template", None) is None:
+        return None
+    return ("note: this model has a chat template; the prompt is continued as raw text. Add --chat to send "
+            "it as a user message through the template (instruct models expect that).")
+
+
 def generate_tokens(model: LlamaModel, prompt_ids: Sequence[int], on_token: Callable[[int], None], *,
                     cache: KVCache, max_tokens: int | None, stop_token_ids: Sequence[int] = (),
                     policy: Any = None, **sampling: Any) -> tuple[int, str]:
@@ -162,11 +186,7 @@ def generate_tokens(model: LlamaModel, prompt_ids: Sequence[int], on_token: Call
     """
     prompt = [int(t) for t in prompt_ids]
     context = model.config.max_position_embeddings
-    if not prompt:
-        raise InputError("the prompt is empty: there is nothing to continue")
-    if len(prompt) > context and policy is None:
-        raise ContextLengthError(f"the prompt is {len(prompt)} tokens but the model's context is {context} "
-                                 "tokens (max_position_embeddings in config.json)")
+    check_prompt(prompt, context, policy)
     cached = min(cache.get_seq_length(), len(prompt) - 1)
     if cached < cache.get_seq_length():
         cache.crop(cached)
@@ -226,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens == 0 or args.max_tokens < -1:
         raise InputError(f"--max-tokens must be >= 1, or -1 for no limit (got {args.max_tokens})")
     check_sampling_flags(args)  # fail before loading
+    seed_drawn = draw_seed(args)
     resolved = sampling_settings(args, args.model)
     model, tokenizer = load(args.model, dtype=args.dtype)
     prompt = encode_prompt(tokenizer, text, args.chat)
@@ -235,12 +256,20 @@ def run(args: argparse.Namespace) -> int:
     context = model.config.max_position_embeddings
     capacity = min(context, len(prompt) + (max_tokens or context), policy.budget if policy else context)
     cache = model.new_cache(1, kv_dtype=args.kv_dtype, capacity=capacity)
-    compile_seconds = model.warm_up(args.kv_dtype)  # so the prefill figure is the prefill's own
+    with CompileCounter() as compiled:  # a first run compiles; a warm one loads numba's disk cache
+        warm_up_seconds = model.warm_up(args.kv_dtype)  # so the prefill figure is the prefill's own
+    compile_seconds = warm_up_seconds if compiled.count else 0.0
+    check_prompt(prompt, context, policy)  # before the prompt is echoed
+    hint = chat_template_hint(tokenizer, args.chat)
+    if hint:
+        print(hint, file=sys.stderr, flush=True)
     stream = TextStream(tokenizer, prompt, sys.stdout, stop)
     if not (args.chat or args.no_display_prompt):
         stream.write_prompt(text)
     if args.verbose:
         print(resolved.describe(), file=sys.stderr, flush=True)
+        if seed_drawn:
+            print(drawn_seed_note(args.seed), file=sys.stderr, flush=True)
     stream.start()
     sampling = dict(**resolved.values, seed=args.seed)
     try:
@@ -261,6 +290,6 @@ def run(args: argparse.Namespace) -> int:
     stream.finish()
     stats = stream.stats(len(prompt), computed, cache, reason)
     stats.compile_seconds = compile_seconds
-    print(stats.line() + f" | sampling: {resolved.summary()}",
-          file=sys.stderr, flush=True)
+    print(stats.line() + f" | sampling: {resolved.summary()}"
+          + (f" | {drawn_seed_note(args.seed)}" if seed_drawn else ""), file=sys.stderr, flush=True)
     return 130 if reason == "interrupted" else 0

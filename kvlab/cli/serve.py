@@ -13,6 +13,9 @@ import os
 import sys
 from pathlib import Path
 
+from kvlab.cache.kv_cache import KV_CACHE_DTYPES
+from kvlab.serve.limits import DEFAULT_MAX_REQUEST_BYTES
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible server with metrics and a live cache explorer",
@@ -20,13 +23,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "continuous batching and a prefix cache; open http://HOST:PORT/ for the "
                                    "cache explorer.")
     p.add_argument("--model", metavar="PATH", default=None,
-                   help="model folder with config.json, *.safetensors, tokenizer.json (default: bundled)")
+                   help="HF model folder (config.json, *.safetensors, tokenizer.json), a .gguf file or a folder "
+                        "holding one (default: bundled)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="names the model answers to; the first is reported (default: --model as given)")
+                   help="names the model answers to; the first is reported (default: --model as given; for "
+                        "a GGUF, its file stem, as llama.cpp's server reports it)")
     p.add_argument("--api-key", default=os.environ.get("KVLAB_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on the API (default: $KVLAB_API_KEY)")
+    limits = p.add_argument_group("limits")
+    limits.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
+                        help="largest request body; larger ones get 413 while they are read (default "
+                             f"{DEFAULT_MAX_REQUEST_BYTES} = 4 MiB)")
+    limits.add_argument("--allowed-hosts", nargs="+", default=[], metavar="HOST",
+                        help="Host header names served besides loopback names and IP addresses ('.example.com' "
+                             "= it and its subdomains, '*' = any); others get 403 (DNS-rebinding guard)")
+    limits.add_argument("--hide-cache-text", action="store_true",
+                        help="never show cached tokens or text in /v1/cache/state and the explorer, not even "
+                             "unsalted ones (salted blocks are shown only to their own cache_salt anyway)")
     p.add_argument("--chat-template", metavar="FILE", default=None,
                    help="a Jinja chat template to use instead of the model's (or where it has none)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="compute dtype")
@@ -38,9 +53,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="KV pool budget, e.g. 64MiB (default: enough for --max-num-seqs full sequences, "
                              "at most 1 GiB)")
     engine.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (instead of memory)")
-    engine.add_argument("--kv-cache-dtype", default=None,
-                        choices=["auto", "float32", "float16", "bfloat16", "float64", "fp32", "fp16", "bf16",
-                                 "fp64"], help="KV storage dtype (default auto: the compute dtype)")
+    engine.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_cache_dtype", default=None,
+                        choices=("auto",) + KV_CACHE_DTYPES, metavar="DTYPE",
+                        help="KV storage: auto (the compute dtype, the default), float32, float16, bfloat16, "
+                             "float64, int8, int4, fp8_e4m3, fp8_e5m2")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="share cached prompt blocks across requests (default on)")
     engine.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per step (default 64)")
@@ -59,6 +75,7 @@ def build_engine(args: argparse.Namespace):
     """(engine, tokenizer, model name) from the flags; bad flags raise KVLabError before anything loads."""
     from kvlab.engine.engine import Engine
     from kvlab.errors import ConfigError
+    from kvlab.gguf.loader import gguf_file
     from kvlab.hf.loader import resolve_model_dir
     from kvlab.loader import load
 
@@ -66,7 +83,10 @@ def build_engine(args: argparse.Namespace):
         raise ConfigError("give --kv-cache-memory or --num-blocks, not both")
     if args.max_waiting < 1:
         raise ConfigError(f"--max-waiting must be >= 1, got {args.max_waiting}")
-    folder = resolve_model_dir(args.model)
+    if args.max_request_bytes < 1:
+        raise ConfigError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    gguf = gguf_file(args.model)
+    folder = gguf if gguf is not None else resolve_model_dir(args.model)
     model, tokenizer = load(folder, dtype=args.dtype)
     if args.chat_template:
         install_chat_template(tokenizer, Path(args.chat_template))
@@ -76,7 +96,7 @@ def build_engine(args: argparse.Namespace):
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=kv_dtype,
                     max_model_len=args.max_model_len)
-    name = args.model if args.model is not None else folder.name
+    name = gguf.stem if gguf is not None else args.model if args.model is not None else folder.name
     return engine, tokenizer, name, str(folder)
 
 
@@ -109,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
     engine, tokenizer, name, root = build_engine(args)
     names = args.served_model_name or [name]
     app = create_app(engine, tokenizer, model_names=names, model_root=root, api_key=args.api_key or None,
-                     max_waiting=args.max_waiting)
+                     max_waiting=args.max_waiting, max_request_bytes=args.max_request_bytes,
+                     allowed_hosts=(args.host, *args.allowed_hosts), hide_cache_text=args.hide_cache_text)
     engine_loop = app.state.kvlab.engine_loop
 
     class Server(uvicorn.Server):

@@ -18,7 +18,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="prove cached logits equal a full recompute",
                        description="Compare cached and full-prefix logits over several schedules.")
     p.add_argument("--model", metavar="PATH", default=None,
-                   help="verify an HF model folder instead ('default' = the shipped model)")
+                   help="verify an HF model folder or a .gguf file instead ('default' = the shipped model)")
     p.add_argument("--seed", type=int, default=7, help="TinyLlama weight seed (default 7, the seeds' model)")
     p.add_argument("--tolerance", type=float, default=None,
                    help="fixed max abs error allowed (default: scaled to the dtype, the depth and the logits: "

@@ -20,7 +20,7 @@ from kvlab.cache.paged import BlockPool
 from kvlab.engine.config import DEFAULT_MAX_KV_BYTES, EngineConfig  # noqa: F401 (DEFAULT_MAX_KV_BYTES: API)
 from kvlab.engine.introspection import StepCounters, cache_state, engine_stats
 from kvlab.engine.model_runner import ModelRunner
-from kvlab.engine.request import Request, RequestOutput
+from kvlab.engine.request import Request, RequestOutput, Sequence, Status
 from kvlab.engine.scheduler import Scheduler
 from kvlab.errors import ContextLengthError, InputError
 from kvlab.model.llama import LlamaModel
@@ -58,6 +58,7 @@ class Engine:
         self.eos_token_ids = frozenset(int(i) for i in (eos if eos else c.eos_token_ids))
         self._requests: dict[str, Request] = {}     # unfinished
         self._pending: dict[str, RequestOutput] = {}  # to report at the next step (aborts, stashed)
+        self._suspended: dict[str, list[Sequence]] = {}  # suspend_request: sequences out of the queues
         self._ids = itertools.count()
 
     # --- requests ------------------------------------------------------------------------------------------
@@ -127,6 +128,7 @@ class Engine:
         request = self._requests.get(request_id) if isinstance(request_id, str) else None
         if request is None:
             raise InputError(f"unknown request_id {request_id!r}: no unfinished request has this id")
+        self._suspended.pop(request_id, None)
         for seq in request.seqs:
             if not seq.finished():
                 self.scheduler.finish(seq, "abort")
@@ -135,6 +137,26 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def suspend_request(self, request_id: str) -> None:
+        """Take an unfinished request out of scheduling: its blocks are released as preemption releases them
+        (full blocks stay cached), it keeps its tokens, and it runs again only after `resume_request`. A
+        server uses the pair to rerun requests one by one after a step failed, to find the one that fails."""
+        request = self._requests.get(request_id) if isinstance(request_id, str) else None
+        if request is None:
+            raise InputError(f"unknown request_id {request_id!r}: no unfinished request has this id")
+        for seq in request.seqs:
+            if seq.status is Status.RUNNING:
+                self.scheduler.preempt(seq)
+            if seq.status is Status.WAITING and seq in self.scheduler.waiting:
+                self.scheduler.waiting.remove(seq)
+                self._suspended.setdefault(request_id, []).append(seq)
+
+    def resume_request(self, request_id: str) -> None:
+        """Queue a suspended request again (first in line, as a preempted one is)."""
+        for seq in reversed(self._suspended.pop(request_id, [])):
+            if seq.status is Status.WAITING:
+                self.scheduler.waiting.appendleft(seq)
 
     # --- the step ------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -68,9 +68,13 @@ def cache_state(engine: "Engine") -> dict[str, Any]:
             tokens = seq.token_ids[index * size:min((index + 1) * size, seq.num_computed_tokens)]
             parent = None
         stored_tokens += len(tokens)
+        # the root key (model, dtypes, salt) the block hangs from: the server shows a salted block's
+        # contents only to a caller with the same salt
+        root = owners[block][0].request.root_key if block in owners else cache.chain_root(info)
         blocks.append({"id": block, "ref_count": pool.ref_counts[block],
                        "hash": info.key.hex()[:16] if info is not None else None, "parent": parent,
-                       "num_tokens": len(tokens), "token_ids": [int(t) for t in tokens]})
+                       "num_tokens": len(tokens), "token_ids": [int(t) for t in tokens],
+                       "root_key": root.hex() if root is not None else None})
     requests = []
     for request in engine._requests.values():
         for seq in request.seqs:
@@ -81,7 +85,8 @@ def cache_state(engine: "Engine") -> dict[str, Any]:
                 "num_prompt_tokens": request.num_prompt_tokens,
                 "num_cached_tokens": request.num_cached_tokens,
                 "num_computed_tokens": seq.num_computed_tokens,
-                "num_output_tokens": len(seq.output_token_ids), "block_table": list(seq.block_table)})
+                "num_output_tokens": len(seq.output_token_ids), "block_table": list(seq.block_table),
+                "root_key": request.root_key.hex()})
     return {"block_size": size, "num_blocks": pool.num_blocks, "num_free_blocks": pool.num_free_blocks,
             "num_cached_blocks": pool.num_evictable_blocks, "num_used_blocks": pool.num_used_blocks,
             "payload_bytes": stored_tokens * (pool.bytes_per_block // size),

@@ -124,6 +124,16 @@ class PrefixCache:
         """The parent key of a cached block, or None when the block starts a chain (its parent is a root)."""
         return None if info.parent is None or info.parent in self._roots else info.parent
 
+    def chain_root(self, info: CachedBlock) -> bytes | None:
+        """The root key (model, dtypes, salt) a cached block's chain hangs from; None if a link is gone."""
+        with self._lock:
+            parent, hops = info.parent, 0
+            while parent is not None and parent not in self._roots and hops <= len(self._cached):
+                block = self._cached.get(parent)
+                above = None if block is None else self._block_info.get(block)
+                parent, hops = (above.parent if above is not None else None), hops + 1
+            return parent if parent in self._roots else None
+
     def record(self, num_queried: int, num_hit: int) -> None:
         """Count one admission's lookup: `num_queried` prompt tokens, `num_hit` of them found."""
         if self.enabled:

@@ -1,12 +1,15 @@
 """The OpenAI-compatible HTTP API on one `kvlab.Engine`: routes, error handlers, the explorer page.
 
 `create_app(engine, tokenizer, ...)` returns a FastAPI app whose lifespan starts and stops the engine loop
-thread (kvlab.serve.loop). Handlers validate and tokenize on the asyncio side, hand requests to the loop,
-and render its outputs; they never touch the engine directly.
+thread (kvlab.serve.loop). Handlers validate on the asyncio side, tokenize and render chat templates in a
+worker thread (so one huge prompt never stalls other clients), hand requests to the loop, and render its
+outputs; they never touch the engine directly. Before any handler, kvlab.serve.guard checks the Host, the
+body's type and its size.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -15,20 +18,25 @@ from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvlab.errors import ContextLengthError, KVLabError
+from kvlab.prefix.block_hash import root_key
+from kvlab.serve.guard import RequestGuard
+from kvlab.serve.limits import DEFAULT_MAX_REQUEST_BYTES
 from kvlab.serve.http import AbortingStreamingResponse, APIKeyMiddleware, unless_disconnected
 from kvlab.serve.loop import EngineFailure, EngineLoop, RequestGroup
 from kvlab.serve.metrics import CONTENT_TYPE, ServerMetrics
+from kvlab.serve.openapi import ERROR_RESPONSES, HEALTH_RESPONSES, METRICS_RESPONSES, install_openapi
 from kvlab.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                  TokenizeRequest, bad_request)
+                                  ResetRequest, TokenizeRequest, bad_request)
 from kvlab.serve.responses import SSE_DONE, StreamRenderer, chat_body, completion_body, sse
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 
+PRECHECK_SLACK = 4   # normalizers may shrink text a little: refuse only what is hopeless by this margin
 NO_CHAT_TEMPLATE = ("this model has no chat template, so chat messages cannot be formatted; use "
                     "/v1/completions with a prompt, or start the server with --chat-template FILE")
 
@@ -37,7 +45,7 @@ class ServerState:
     """What the handlers share: the loop, the tokenizer and the names the model is served under."""
 
     def __init__(self, engine: Any, tokenizer: Any, model_names: list[str], model_root: str,
-                 max_waiting: int) -> None:
+                 max_waiting: int, hide_cache_text: bool = False) -> None:
         self.engine_loop = EngineLoop(engine, ServerMetrics(model_names[0]), max_waiting)
         self.engine_loop.metrics.bind(lambda: self.engine_loop.stats)
         self.tokenizer = tokenizer
@@ -46,6 +54,11 @@ class ServerState:
         self.max_model_len = int(engine.max_model_len)
         self.vocab_size = int(engine.model.config.vocab_size)
         self.created = int(time.time())
+        self.hide_cache_text = hide_cache_text
+        self.max_token_chars = max(int(getattr(tokenizer, "max_token_chars", 1) or 1), 1)
+        self._root = lambda salt: root_key(engine.model.fingerprint, engine.model.dtype, engine.kv_cache_dtype,
+                                           salt).hex()
+        self.unsalted_root = self._root(None)
 
     def model_name(self, requested: str | None) -> str:
         """The name to answer with; 404 for a model this server does not serve."""
@@ -59,12 +72,52 @@ class ServerState:
         if bad is not None:
             raise bad_request(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})", param)
 
-    def render_chat(self, messages: list[Any], add_generation_prompt: bool) -> list[int]:
-        rendered = self.tokenizer.apply_chat_template([m.for_template() for m in messages],
-                                                      add_generation_prompt=add_generation_prompt)
-        if rendered is None:
+    def precheck(self, num_chars: int, param: str) -> None:
+        """Refuse a text that cannot fit the context, before tokenizing it: a text of N characters is at
+        least N / max_token_chars tokens."""
+        least = num_chars // (self.max_token_chars * PRECHECK_SLACK)
+        if least > self.max_model_len:
+            raise bad_request(f"the {param} has {num_chars} characters, at least {least} tokens: more than "
+                              f"max_model_len {self.max_model_len}", param, "context_length_exceeded")
+
+    async def encode_prompts(self, prompts: list[Any]) -> list[list[int]]:
+        """Token ids of each prompt (text is tokenized in a worker thread, special tokens parsed)."""
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                self.precheck(len(prompt), "prompt")
+        ids = await asyncio.to_thread(lambda: [self.tokenizer.encode(p) if isinstance(p, str) else p
+                                               for p in prompts])
+        for one in ids:
+            self.check_ids(one, "prompt")
+        return ids
+
+    async def render_chat(self, messages: list[Any], add_generation_prompt: bool) -> list[int]:
+        """The chat prompt's ids: the template rendered and encoded in a worker thread, the messages'
+        content as text (a special-token string in it never becomes a control token)."""
+        rendered = [m.for_template() for m in messages]
+        self.precheck(sum(len(m["content"]) for m in rendered), "messages")
+        return await asyncio.to_thread(self._render_chat, rendered, add_generation_prompt)
+
+    def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        if getattr(self.tokenizer, "chat_template", None) is None:
             raise bad_request(NO_CHAT_TEMPLATE, "messages", "chat_template_missing")
-        return self.tokenizer.encode(rendered, add_bos=False)
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+
+    def visible_state(self, snapshot: dict[str, Any], cache_salt: str | None) -> dict[str, Any]:
+        """The cache state a caller may see: a block's text, tokens and hashes only when it belongs to no
+        tenant (unless --hide-cache-text) or to the caller's own `cache_salt`; other blocks still count."""
+        readable = set() if self.hide_cache_text else {self.unsalted_root}
+        if cache_salt and not self.hide_cache_text:
+            readable.add(self._root(cache_salt))
+        for block in snapshot.get("blocks", []):
+            if block.pop("root_key", None) in readable:
+                block["text"] = self.tokenizer.decode(block.get("token_ids", []))
+                block["hidden"] = False
+            else:
+                block.update(text=None, token_ids=[], hash=None, parent=None, hidden=True)
+        for request in snapshot.get("requests", []):
+            request.pop("root_key", None)
+        return snapshot
 
 
 def _hold_back(stops: list[str]) -> int:
@@ -72,10 +125,12 @@ def _hold_back(stops: list[str]) -> int:
 
 
 def create_app(engine: Any, tokenizer: Any, *, model_names: list[str], model_root: str = "",
-               api_key: str | None = None, max_waiting: int = 256) -> FastAPI:
+               api_key: str | None = None, max_waiting: int = 256,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, allowed_hosts: tuple[str, ...] = (),
+               hide_cache_text: bool = False) -> FastAPI:
     """The app; its lifespan runs the engine loop. Shutdown draining is the runner's: call
     `app.state.kvlab.engine_loop.begin_shutdown(grace_s)` when a stop signal arrives."""
-    state = ServerState(engine, tokenizer, model_names, model_root, max_waiting)
+    state = ServerState(engine, tokenizer, model_names, model_root, max_waiting, hide_cache_text)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -85,24 +140,26 @@ def create_app(engine: Any, tokenizer: Any, *, model_names: list[str], model_roo
         finally:
             state.engine_loop.stop()
 
-    app = FastAPI(title="kvlab", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kvlab", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
     app.state.kvlab = state
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(RequestGuard, max_request_bytes=max_request_bytes, allowed_hosts=allowed_hosts)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     _install_error_handlers(app)
     loop = state.engine_loop
 
     # --- plain endpoints ------------------------------------------------------------------------------
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses=HEALTH_RESPONSES)
     async def health() -> Response:
         return Response(status_code=200 if loop.alive else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=METRICS_RESPONSES)
     async def metrics() -> Response:
         return Response(loop.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/")
+    @app.get("/", include_in_schema=False)
     async def explorer() -> FileResponse:
         return FileResponse(STATIC_DIR / "index.html")
 
@@ -113,48 +170,45 @@ def create_app(engine: Any, tokenizer: Any, *, model_names: list[str], model_roo
              "root": state.model_root, "parent": None, "max_model_len": state.max_model_len}
             for name in state.model_names]}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         state.model_name(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            ids = state.render_chat(body.messages, body.add_generation_prompt)
+            ids = await state.render_chat(body.messages, body.add_generation_prompt)
         else:
-            ids = state.tokenizer.encode(body.prompt, add_bos=None if body.add_special_tokens else False)
+            add_bos = None if body.add_special_tokens else False
+            ids = await asyncio.to_thread(state.tokenizer.encode, body.prompt, add_bos)
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=ERROR_RESPONSES)
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         state.model_name(body.model)
         state.check_ids(body.tokens, "tokens")
-        return {"prompt": state.tokenizer.decode(body.tokens)}
+        return {"prompt": await asyncio.to_thread(state.tokenizer.decode, body.tokens)}
 
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> dict[str, Any]:
+    @app.post("/reset_prefix_cache", responses=ERROR_RESPONSES)
+    async def reset_prefix_cache(body: ResetRequest) -> dict[str, Any]:
         return {"reset": bool(await loop.call(lambda engine: engine.reset_prefix_cache()))}
 
-    @app.get("/v1/cache/state")
-    async def cache_state() -> dict[str, Any]:
+    @app.get("/v1/cache/state", responses=ERROR_RESPONSES)
+    async def cache_state(cache_salt: str | None = None) -> dict[str, Any]:
+        """The pool, the prefix tree and the requests; a salted block's text only with its `cache_salt`."""
         snapshot = await loop.call(lambda engine: engine.cache_state())
-        for block in snapshot.get("blocks", []):
-            block["text"] = state.tokenizer.decode(block.get("token_ids", []))
+        snapshot = await asyncio.to_thread(state.visible_state, snapshot, cache_salt)
         snapshot["model"] = state.model_names[0]
         snapshot["num_waiting_http"] = loop.num_waiting
         snapshot["time"] = time.time()
         return snapshot
 
     # --- generation -----------------------------------------------------------------------------------
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         model = state.model_name(body.model)
         body.check_supported()
-        prompts = []
-        for prompt in body.prompts():
-            ids = state.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-            state.check_ids(ids, "prompt")
-            prompts.append(ids)
         state.check_ids(body.stop_token_ids, "stop_token_ids")
+        prompts = await state.encode_prompts(body.prompts())
         params = body.sampling_params(body.max_tokens, body.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
@@ -164,12 +218,12 @@ def create_app(engine: Any, tokenizer: Any, *, model_names: list[str], model_roo
             _hold_back(body.stop)), lambda outputs: completion_body(request_id, model, outputs, body.n,
                                                                     state.tokenizer, body.logprobs))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         model = state.model_name(body.model)
         body.check_supported()
-        prompt = state.render_chat(body.messages, body.add_generation_prompt)
         state.check_ids(body.stop_token_ids, "stop_token_ids")
+        prompt = await state.render_chat(body.messages, body.add_generation_prompt)
         params = body.sampling_params(body.max_new_tokens, body.num_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         group = await loop.add([(request_id, prompt, params, body.cache_salt)])
@@ -178,6 +232,7 @@ def create_app(engine: Any, tokenizer: Any, *, model_names: list[str], model_roo
             _hold_back(body.stop)), lambda outputs: chat_body(request_id, model, outputs[0], state.tokenizer,
                                                               body.num_logprobs))
 
+    install_openapi(app)
     return app
 
 
@@ -226,7 +281,7 @@ async def _events(group: RequestGroup, renderer: StreamRenderer):
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(KVLabError)
     async def kvlab_error(request: Request, exc: KVLabError) -> JSONResponse:

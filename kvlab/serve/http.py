@@ -23,16 +23,18 @@ OPEN_PREFIXES = ("/static/",)
 
 
 class APIKeyMiddleware:
-    """401 for every API route without `Authorization: Bearer KEY`; health, metrics and the page stay open."""
+    """401 for every API route without `Authorization: Bearer KEY`; health, metrics and the page stay open.
+    The scheme is matched case-insensitively (RFC 9110: `bearer KEY` is the same), the key exactly and in
+    constant time."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope.get("method") != "OPTIONS" and not _is_open(scope["path"]):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+            if not (secrets.compare_digest(given.strip(), self.expected) & (scheme.lower() == b"bearer")):
                 error = APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                                  "authentication_error", code="invalid_api_key")
                 await JSONResponse(error.body(), status_code=401)(scope, receive, send)

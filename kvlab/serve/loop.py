@@ -7,8 +7,9 @@ go back to the handler's asyncio queue with `call_soon_threadsafe`. Continuous b
 requests falls out of this: whatever was added before a step joins that step's batch.
 
 The loop never dies from what a client sends: the engine's own KVLabErrors become 400s for the one
-request that caused them, and an unexpected exception inside `step()` fails the requests in flight (they
-are aborted, so their blocks are freed) and the loop carries on.
+request that caused them. An unexpected exception inside `step()` fails only the request that causes it:
+the requests in flight are suspended and rerun one by one, each alone in a step; one whose step fails again
+is aborted (its blocks freed) and answered 500, the others carry on where they were.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kvlab.serve.protocol import APIError, bad_request
 log = logging.getLogger("kvlab.serve")
 
 IDLE_WAIT_S = 0.5          # how long the idle loop blocks on the inbox before checking for shutdown
+RETRY_AFTER_S = 1          # the Retry-After of a 429: the queue moves at engine-step speed
 
 
 class EngineFailure(Exception):
@@ -141,12 +143,16 @@ class EngineLoop:
         """
         aio = asyncio.get_running_loop()
         group = RequestGroup(self, aio, [r[0] for r in requests])
+        if len(requests) > self.max_waiting:   # 429 would be a lie: this can never be admitted
+            raise bad_request(f"{len(requests)} prompts in one request can never be admitted: the waiting "
+                              f"queue holds {self.max_waiting} (--max-waiting)", "prompt", "too_many_prompts")
         with self._lock:
             if self._draining or self._stopping.is_set():
                 raise APIError(503, "the server is shutting down", "service_unavailable")
             if self.num_waiting + len(requests) > self.max_waiting:
                 raise APIError(429, f"too many requests waiting (the queue holds {self.max_waiting}); retry "
-                               "later", "rate_limit_error", code="queue_full")
+                               "later", "rate_limit_error", code="queue_full",
+                               headers={"Retry-After": str(RETRY_AFTER_S)})
             self._pending_adds += len(requests)
         done = aio.create_future()
         self._inbox.put(("add", group, requests, aio, done, time.monotonic()))
@@ -196,12 +202,47 @@ class EngineLoop:
             try:
                 outputs = self.engine.step()
             except Exception:
-                log.exception("engine.step() failed; failing the requests in flight")
-                self._fail_all(APIError(500, "the engine failed while running this request",
-                                        "internal_server_error"))
-                outputs = []
+                log.exception("engine.step() failed; rerunning the requests in flight one by one")
+                outputs = self._isolate_failure()
             self._dispatch(outputs)
         self.stats = dict(self.engine.stats())
+
+    def _isolate_failure(self) -> list:
+        """After a failed step: suspend every request in flight, then give each a step of its own. A
+        request whose own step fails is the culprit: its group is failed with a 500 and its blocks freed.
+        The others resume where they were (a suspended request is recomputed like a preempted one, so
+        its tokens are the same). When no request fails alone, all resume: the fault was not theirs."""
+        error = APIError(500, "the engine failed while running this request", "internal_server_error")
+        suspended = []
+        for rid in list(self._tracked):
+            try:
+                self.engine.suspend_request(rid)
+                suspended.append(rid)
+            except KVLabError:   # it finished inside the failed step, and its output went with it
+                self._fail_group(self._tracked[rid].group, error)
+        outputs, culprits = [], 0
+        try:
+            for rid in suspended:
+                if rid not in self._tracked:
+                    continue   # failed with its group already
+                self.engine.resume_request(rid)
+                try:
+                    outputs.extend(self.engine.step())
+                except Exception:
+                    log.exception("request %s fails the engine step on its own: failing it", rid)
+                    culprits += 1
+                    self._fail_group(self._tracked[rid].group, error)
+                    continue
+                try:
+                    self.engine.suspend_request(rid)
+                except KVLabError:
+                    pass   # it finished in its own step
+        finally:
+            for rid in suspended:
+                self.engine.resume_request(rid)   # a no-op for the failed and the finished
+        if not culprits:
+            log.warning("no request fails a step on its own; all %d carry on", len(suspended))
+        return outputs
 
     def _apply(self, command: tuple) -> None:
         kind = command[0]
@@ -272,6 +313,11 @@ class EngineLoop:
                                               "abort" if "abort" in reasons else "stop")
             group = tracked.group
             _post(group, (tracked.index, output))
+
+    def _fail_group(self, group: RequestGroup, error: APIError) -> None:
+        for rid in [r for r, t in self._tracked.items() if t.group is group]:
+            self._abort_quietly(rid)
+        _post(group, EngineFailure(error))
 
     def _fail_all(self, error: APIError) -> None:
         failure = EngineFailure(error)

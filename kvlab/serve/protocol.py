@@ -17,6 +17,8 @@ from kvlab.sampling.sampler import SamplingParams
 MAX_LOGPROBS = 20          # OpenAI's bound for logprobs / top_logprobs
 MAX_N = 64
 MAX_STOP_STRINGS = 16      # OpenAI allows 4; vLLM is unbounded; a bound keeps matching cheap
+MAX_STOP_TOKEN_IDS = 256   # a bound keeps per-request work small (an unbounded list is a denial of service)
+MAX_PROMPTS = 64           # prompts in one /v1/completions batch
 GREEDY_BELOW = 1e-5        # vLLM's epsilon: smaller temperatures are greedy (no division by ~0)
 
 
@@ -24,9 +26,11 @@ class APIError(Exception):
     """An error sent to the client as `{"error": {"message", "type", "param", "code"}}` with `status`."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -38,7 +42,8 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 class _Body(BaseModel):
     # Unknown fields are ignored, as OpenAI and vLLM do: clients send vendor fields we do not know.
-    model_config = ConfigDict(extra="ignore")
+    # Strict: an int is not a bool and "2" is not a number (a float field still takes a JSON int).
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
@@ -50,20 +55,21 @@ class _SamplingBody(_Body):
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float = Field(1.0, ge=0.0, le=100.0)   # OpenAI's default is 1.0, not greedy
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # OpenAI's default is 1.0, not greedy; NaN and inf are refused as "not a finite number"
+    temperature: float = Field(1.0, ge=0.0, le=100.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = Field(None, validate_default=True)
-    stop_token_ids: list[StrictInt] = Field(default_factory=list)
+    stop_token_ids: list[StrictInt] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(None, min_length=1)
     user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, allow_inf_nan=False)
 
     @field_validator("stop")
     @classmethod
@@ -124,6 +130,9 @@ class CompletionRequest(_SamplingBody):
             raise bad_request("prompt must not be empty", "prompt")
         if isinstance(prompt[0], int):
             return [list(prompt)]               # one prompt as token ids
+        if len(prompt) > MAX_PROMPTS:
+            raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", "prompt",
+                              "too_many_prompts")
         return [p if isinstance(p, str) else list(p) for p in prompt]
 
 
@@ -182,3 +191,21 @@ class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[StrictInt]
 
+
+
+class ResetRequest(_Body):
+    """POST /reset_prefix_cache takes an empty JSON object: a body is required so that no cross-site form
+    can post it (see kvlab.serve.guard)."""
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape, the body of every 4xx and 5xx."""
+
+    error: ErrorDetail

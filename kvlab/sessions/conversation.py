@@ -1,11 +1,19 @@
 """A chat's messages and the token ids they render to, turn after turn.
 
-With a chat template (`tokenizer.apply_chat_template(messages, add_generation_prompt=True)` returns text or
-ids) the whole history is rendered and tokenized every turn, as a chat server does; the session then reuses
-whatever prefix came out the same. Without one (it returns None, or the tokenizer has no such method) the
-conversation is plain continuation: <bos> (if the tokenizer has one) and the turns concatenated. There each
-assistant turn is kept as the exact ids that were generated rather than re-encoded from its text, so the
-next turn's sequence starts with exactly what the session cached and appending reuses every row.
+Each assistant turn keeps the exact ids that were generated (as llama.cpp's slots and Ollama's context do):
+a sampled reply re-encoded from its text need not give the same ids (SmolLM2: [3706, 99, 306, 301] ->
+[3706, 8045, 301]), and every id that differs from what the session cached ends its reuse.
+
+With a chat template (`tokenizer.apply_chat_template(messages, add_generation_prompt=True)` returns text)
+the whole history is rendered every turn, as a chat server does, and the generated ids are spliced into
+it: the text before each reply is tokenized as the prompt of that turn was (so it gives the same ids), the
+reply's ids are taken as generated, and tokenizing resumes after the text they stand for. That holds for
+templates whose rendered history is a prefix of the next render (ChatML, Llama 3, Mistral); where a
+template rewrites history (strips earlier replies, trims them), the splice stops at the first reply whose
+text is not found where expected and the rest is tokenized from text, so reuse stops at the first changed
+token. A template that returns ids is used as it is. Without a template (it returns None, or the tokenizer
+has no such method) the conversation is plain continuation: <bos> (if the tokenizer has one) and the turns
+concatenated, replies again as their generated ids.
 """
 
 from __future__ import annotations
@@ -27,6 +35,19 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     except TypeError:
         ids = tokenizer.encode(text)
     return [int(i) for i in getattr(ids, "ids", ids)]
+
+
+def decode_text(tokenizer: Any, ids: list[int]) -> str:
+    """The text `ids` stand for, special tokens included where the tokenizer can say so."""
+    try:
+        return tokenizer.decode(ids, skip_special_tokens=False)
+    except TypeError:
+        return tokenizer.decode(ids)
+
+
+def _plain(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Messages as a template sees them: role and content (generated ids are ours, not the template's)."""
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 @dataclass
@@ -83,10 +104,9 @@ class Conversation:
         template = getattr(tokenizer, "apply_chat_template", None)
         rendered = None
         if template is not None:
-            plain = [{"role": m["role"], "content": m["content"]} for m in self.messages]
-            rendered = template(plain, add_generation_prompt=True)
+            rendered = template(_plain(self.messages), add_generation_prompt=True)
         if isinstance(rendered, str):
-            return encode_text(tokenizer, rendered)
+            return self._splice(tokenizer, template, rendered)
         if rendered is not None:
             return [int(t) for t in rendered]
         bos = getattr(tokenizer, "bos_token_id", None)
@@ -94,6 +114,31 @@ class Conversation:
         for message in self.messages:
             ids += message.get("token_ids") or encode_text(tokenizer, message["content"])
         return ids
+
+    def _splice(self, tokenizer: Any, template: Any, full: str) -> list[int]:
+        """`full` (the rendered conversation) tokenized, with each reply's generated ids in place of its text.
+
+        For the reply at message j: `before` is the render of messages[:j] with the generation prompt (the
+        text of that turn's prompt) and `through` the render of messages[:j+1] without it. The splice holds
+        while `full` starts with `through`, `through` with `before`, and the reply's part of `through` with
+        text its ids decode to (special tokens included: a kept stop token such as <|im_end|> is text the
+        template writes too), and that text begins with the message's content (the ids stand for it)."""
+        ids: list[int] = []
+        consumed = 0  # characters of `full` accounted for by `ids`
+        for j, message in enumerate(self.messages):
+            generated = message.get("token_ids")
+            if message["role"] != "assistant" or not generated:
+                continue
+            before = template(_plain(self.messages[:j]), add_generation_prompt=True)
+            through = template(_plain(self.messages[:j + 1]), add_generation_prompt=False)
+            said = decode_text(tokenizer, generated)
+            if not (isinstance(before, str) and isinstance(through, str) and len(before) >= consumed
+                    and said.startswith(message["content"]) and full.startswith(through)
+                    and through.startswith(before) and through.startswith(said, len(before))):
+                break  # the template rewrote this reply (or what precedes it): tokenize the rest as text
+            ids += encode_text(tokenizer, before[consumed:]) + [int(t) for t in generated]
+            consumed = len(before) + len(said)
+        return ids + encode_text(tokenizer, full[consumed:])
 
     # --- saving --------------------------------------------------------------------------------------------
     def to_json(self) -> list[dict[str, Any]]:

@@ -1,11 +1,14 @@
 // kvlab cache explorer: polls GET /v1/cache/state and draws the block pool, the prefix tree, the running
 // requests and the prefix-cache hit rate over time. No build step, no dependencies.
-// With an API key, open the page as /#key=YOUR_KEY.
+// With an API key, open the page as /#key=YOUR_KEY; to see a tenant's salted blocks, add &salt=CACHE_SALT.
 "use strict";
 
 const POLL_MS = 1000;
 const HISTORY = 120;
-const key = new URLSearchParams(location.hash.slice(1)).get("key");
+const fragment = new URLSearchParams(location.hash.slice(1));
+const key = fragment.get("key");
+const salt = fragment.get("salt");
+const STATE_URL = salt ? `/v1/cache/state?cache_salt=${encodeURIComponent(salt)}` : "/v1/cache/state";
 const history = [];   // {t, queries, hits}
 let refreshes = 0;
 
@@ -172,7 +175,7 @@ function renderChart(s) {
 
 async function refresh() {
   try {
-    const response = await fetch("/v1/cache/state", { headers: key ? { Authorization: `Bearer ${key}` } : {} });
+    const response = await fetch(STATE_URL, { headers: key ? { Authorization: `Bearer ${key}` } : {} });
     if (!response.ok) throw new Error(`HTTP ${response.status}`);
     const s = await response.json();
     renderSummary(s); renderPool(s); renderTree(s); renderRequests(s); renderChart(s);

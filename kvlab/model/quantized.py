@@ -1,0 +1,163 @@
+"""A weight matrix kept quantized: GGUF's block types as codes, scales and offsets (model/ggml_quants.py).
+
+A Q4_1 file is 92 MiB; dequantized to float32 it was 538 MB that every decode step read. Kept as codes,
+a decode step reads the codes and one scale (and offset) per group, and widens them in registers
+(kernels/qgemv.py). `x @ W.T` (`matmul_t`) takes the compiled kernel for up to MAX_KERNEL_ROWS rows of x
+(decode, batched decode) and, for more (prefill), dequantizes a tile of weight rows at a time into a
+cache-sized float32 buffer and runs BLAS on it: the whole float32 matrix never exists.
+
+The matrix behaves like the [N, K] arrays the model keeps elsewhere where the model needs it to: `shape`,
+row selection (llama.cpp's Q/K row permutation is undone on the rows; an embedding lookup gathers rows),
+row concatenation (q/k/v and gate/up are fused on load when their types agree) and `fingerprint_bytes`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from kvlab.errors import InputError
+from kvlab.model.ggml_quants import BLOCK_SIZES, Unpacked, dequantize, unpack
+
+MAX_KERNEL_ROWS = 16
+# Types kvlab can encode (llama.cpp's reference encoders in the gguf package); every ggml_quants type reads.
+QUANTIZE_TYPES = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
+TILE_VALUES = 1 << 18  # float32 values of one dequantized tile in a prefill product (1 MiB: stays in L2)
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedMatrix:
+    """[N, K] weights as `codes` (int8 [N, K] or nibbles [N, K/2]), `scales`/`offsets` [N, K/group]."""
+
+    type_name: str
+    codes: np.ndarray
+    scales: np.ndarray
+    offsets: np.ndarray | None
+    group: int
+
+    @classmethod
+    def from_blocks(cls, type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> "QuantizedMatrix":
+        """The matrix stored as ggml blocks of `type_name` (the tensor's bytes, e.g. a memory map)."""
+        u = unpack(type_name, raw, shape)
+        return cls(type_name, u.codes, u.scales, u.offsets, u.group)
+
+    @classmethod
+    def quantize(cls, weight: np.ndarray, type_name: str) -> "QuantizedMatrix":
+        """`weight` [N, K] quantized to `type_name` with llama.cpp's own encoder (the `gguf` package)."""
+        import gguf
+
+        kind = gguf.GGMLQuantizationType[type_name]
+        raw = gguf.quants.quantize(np.ascontiguousarray(weight, dtype=np.float32), kind)
+        return cls.from_blocks(type_name, raw, tuple(weight.shape))
+
+    # --- array-like -------------------------------------------------------------------------------------
+    @property
+    def unpacked(self) -> Unpacked:
+        return Unpacked(self.codes, self.scales, self.offsets, self.group)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        width = self.codes.shape[1] * (2 if self.codes.dtype == np.uint8 else 1)
+        return (self.codes.shape[0], width)
+
+    ndim = 2
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes (codes + scales + offsets)."""
+        return self.codes.nbytes + self.scales.nbytes + (0 if self.offsets is None else self.offsets.nbytes)
+
+    @property
+    def file_bytes(self) -> int:
+        """The bytes the same matrix takes as ggml blocks in a GGUF file."""
+        block, size = BLOCK_SIZES[self.type_name]
+        return self.shape[0] * self.shape[1] // block * size
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return f"QuantizedMatrix({self.type_name}, shape={self.shape}, nbytes={self.nbytes})"
+
+    def take_rows(self, index: np.ndarray | slice) -> "QuantizedMatrix":
+        """The matrix of rows `index` (a permutation, a gather or a slice)."""
+        offsets = None if self.offsets is None else np.ascontiguousarray(self.offsets[index])
+        return QuantizedMatrix(self.type_name, np.ascontiguousarray(self.codes[index]),
+                               np.ascontiguousarray(self.scales[index]), offsets, self.group)
+
+    @staticmethod
+    def can_concat(parts: Sequence[object]) -> bool:
+        """Whether `parts` stack into one matrix: all quantized alike (type, group, scale dtypes, widths)."""
+        first = parts[0]
+        if not all(isinstance(p, QuantizedMatrix) for p in parts):
+            return False
+        return all(p.type_name == first.type_name and p.group == first.group and p.shape[1] == first.shape[1]
+                   and p.scales.dtype == first.scales.dtype and (p.offsets is None) == (first.offsets is None)
+                   and (p.offsets is None or p.offsets.dtype == first.offsets.dtype) for p in parts)
+
+    @staticmethod
+    def concat(parts: Sequence["QuantizedMatrix"]) -> "QuantizedMatrix":
+        """Rows of `parts` one after another (q, k, v -> qkv); they must satisfy `can_concat`."""
+        if not QuantizedMatrix.can_concat(parts):
+            raise ValueError("only matrices of one quantization type, group and width stack")
+        first = parts[0]
+        offsets = None if first.offsets is None else np.concatenate([p.offsets for p in parts])
+        return QuantizedMatrix(first.type_name, np.concatenate([p.codes for p in parts]),
+                               np.concatenate([p.scales for p in parts]), offsets, first.group)
+
+    def fingerprint_bytes(self) -> bytes:
+        """Canonical bytes of the weights (type, group, codes, scales, offsets) for the model fingerprint."""
+        parts = [self.type_name.encode(), str(self.group).encode(), self.codes.tobytes(), self.scales.tobytes()]
+        if self.offsets is not None:
+            parts.append(self.offsets.tobytes())
+        return b"\0".join(parts)
+
+    # --- products ---------------------------------------------------------------------------------------
+    def dequantize(self, dtype: np.dtype = np.float32, rows: slice = slice(None)) -> np.ndarray:
+        """Rows `rows` as floats, exactly the file's dequantized values (the reference)."""
+        part = self.unpacked if rows == slice(None) else self.take_rows(rows).unpacked
+        return dequantize(part, np.dtype(dtype))
+
+    def matmul_t(self, x: np.ndarray, compiled: bool = True) -> np.ndarray:
+        """x [..., K] @ W.T -> [..., N] in x's dtype: the compiled kernel for a few rows, else tiles + BLAS."""
+        flat = np.ascontiguousarray(x.reshape(-1, x.shape[-1]))
+        if compiled and flat.shape[0] <= MAX_KERNEL_ROWS and flat.dtype == np.float32:
+            from kvlab.kernels.bits import as_kernel_array
+            from kvlab.kernels.qgemv import qmatvec
+
+            offsets = None if self.offsets is None else as_kernel_array(self.offsets)
+            out = qmatvec(flat, self.codes, as_kernel_array(self.scales), offsets, self.group)
+        else:
+            out = self._tiled(flat)
+        return out.reshape(*x.shape[:-1], self.shape[0])
+
+    def _tiled(self, x: np.ndarray) -> np.ndarray:
+        rows = self.shape[0]
+        out = np.empty((x.shape[0], rows), dtype=x.dtype)
+        step = max(16, TILE_VALUES // self.shape[1])
+        for start in range(0, rows, step):
+            tile = self.dequantize(x.dtype, slice(start, start + step))
+            np.matmul(x, tile.T, out=out[:, start:start + tile.shape[0]])
+        return out
+
+
+def quant_type(name: str) -> str:
+    """'q8_0' / 'Q8_0' -> 'Q8_0'; InputError naming the choices for anything else."""
+    if not isinstance(name, str) or name.lower() not in QUANTIZE_TYPES:
+        raise InputError(f"unknown weight quantization {name!r}; choose from {', '.join(QUANTIZE_TYPES)}")
+    return name.upper()
+
+
+def quantize_weights(weights: Mapping[str, np.ndarray], type_name: str,
+                     ) -> dict[str, np.ndarray | QuantizedMatrix]:
+    """Every 2-D float matrix of `weights` (embeddings and LM head included, as llama-quantize does for a
+    single --type) as a QuantizedMatrix of `type_name`; 1-D tensors (norms, biases) unchanged."""
+    kind = quant_type(type_name)
+    return {name: QuantizedMatrix.quantize(w, kind) if np.ndim(w) == 2 else w for name, w in weights.items()}
+
+
+def dequantized(weights: Mapping[str, np.ndarray | QuantizedMatrix]) -> dict[str, np.ndarray]:
+    """Quantized matrices as float32 arrays of their exact values (for a float model of the same weights)."""
+    return {name: w.dequantize() if isinstance(w, QuantizedMatrix) else w for name, w in weights.items()}

@@ -1,0 +1,138 @@
+"""The server's engine loop under faults and heavy requests, in process (uvicorn on a thread) so a test can
+reach inside: a step that raises for one request fails only that request (issue 22 item 4), and
+tokenization never runs on the event loop, so a huge prompt does not stall /health (item 2).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+
+import kvlab
+import kvlab.engine.model_runner as engine_module
+from kvlab.engine.engine import Engine
+from kvlab.serve.app import create_app
+from serve_helpers import InProcessServer
+
+PROMPTS = ["Now is the winter of our discontent", "Friends, Romans, countrymen", "Once more unto the breach",
+           "All the world's a stage", "If music be the food of love"]
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    return kvlab.load(dtype="float64")
+
+
+def start(model_and_tokenizer, **engine_kw) -> InProcessServer:
+    model, tokenizer = model_and_tokenizer
+    app = create_app(Engine(model, tokenizer, **engine_kw), tokenizer, model_names=["bard"])
+    return InProcessServer(app)
+
+
+def reference(model_and_tokenizer, ids: list[int], max_tokens: int) -> str:
+    model, tokenizer = model_and_tokenizer
+    return tokenizer.decode(kvlab.generate(model, [ids], max_tokens)[0].tolist())
+
+
+def test_a_step_that_raises_for_one_request_fails_only_that_request(model_and_tokenizer, monkeypatch):
+    """Five streams are running when a poisoned request joins their batch and the step raises: the poisoned
+    one gets a 500, the five finish with exactly their reference text, and the pool is balanced after."""
+    model, tokenizer = model_and_tokenizer
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    expected = [reference(model_and_tokenizer, ids, MAX_TOKENS) for ids in prompts]
+    seen = {t for ids in prompts for t in ids} | {t for text in expected for t in tokenizer.encode(text)}
+    poison = next(t for t in range(100, 4096) if t not in seen)   # a token none of the others ever holds
+    real_forward = engine_module.forward_batch
+    gate = threading.Event()
+    gate.set()
+    failures: list[int] = []   # sequences in each batch that raised
+
+    def faulty_forward(model, batch, *args, **kwargs):
+        gate.wait(60)
+        if poison in np.asarray(batch.token_ids).tolist():
+            failures.append(len(batch.query_lens))
+            raise RuntimeError("injected fault: the poisoned token reached the model")
+        return real_forward(model, batch, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "forward_batch", faulty_forward)
+    server = start(model_and_tokenizer)
+    try:
+        first_chunk = threading.Barrier(len(prompts) + 1, timeout=60)
+
+        def stream(ids: list[int]) -> tuple[str, str]:
+            body = {"prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
+            text, lines, waited = "", [], False
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        lines.append(line)
+                        if '"text"' in line:
+                            text += json.loads(line[6:])["choices"][0]["text"]
+                        if not waited:
+                            waited = True
+                            first_chunk.wait()
+            return text, "\n".join(lines)
+
+        with ThreadPoolExecutor(len(prompts) + 1) as pool:
+            streams = [pool.submit(stream, ids) for ids in prompts]
+            first_chunk.wait()          # every stream is running
+            gate.clear()                # hold the engine inside its next forward ...
+            culprit = pool.submit(server.post, "/v1/completions",
+                                  {"prompt": prompts[0][:3] + [poison], "max_tokens": 4, "temperature": 0})
+            while server.engine_loop.num_waiting == 0 and not culprit.done():
+                threading.Event().wait(0.01)   # ... until the poisoned request is on its way in
+            gate.set()
+            answer = culprit.result(60)
+            results = [s.result(60) for s in streams]
+        assert answer.status_code == 500, answer.text
+        assert answer.json()["error"]["type"] == "internal_server_error"
+        assert failures and failures[0] > 1   # it raised in a batch shared with others
+        assert all(n == 1 for n in failures[1:])   # then alone, when rerun one by one
+        for (text, raw), want in zip(results, expected):
+            assert '"error"' not in raw and text == want
+        state = server.get("/v1/cache/state").json()
+        assert state["requests"] == [] and state["num_used_blocks"] == 0
+        assert state["num_free_blocks"] == state["num_blocks"]
+        assert server.get("/health").status_code == 200
+        again = server.post("/v1/completions", {"prompt": prompts[1], "max_tokens": 5, "temperature": 0,
+                                                "ignore_eos": True})
+        assert again.json()["choices"][0]["text"] == reference(model_and_tokenizer, prompts[1], 5)
+    finally:
+        gate.set()
+        server.stop()
+
+
+def test_tokenization_runs_off_the_event_loop(model_and_tokenizer, monkeypatch):
+    """A tokenization that does not end until /health has answered: /health answers (the event loop is
+    free), and the encode ran on a worker thread, not the loop's."""
+    model, tokenizer = model_and_tokenizer
+    server = start(model_and_tokenizer)
+    release = threading.Event()
+    threads: list[str] = []
+    real_encode = tokenizer.encode
+
+    def slow_encode(text, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        release.wait(60)
+        return real_encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", slow_encode)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            pending = pool.submit(server.post, "/v1/completions", {"prompt": "Alas, poor Yorick", "max_tokens": 2})
+            while not threads:
+                threading.Event().wait(0.01)
+            health = server.get("/health")   # answered while the encode is still held
+            release.set()
+            done = pending.result(60)
+        assert health.status_code == 200 and done.status_code == 200
+        assert threads[0] != "uvicorn" and threads[0] != threading.main_thread().name
+    finally:
+        release.set()
+        server.stop()
