@@ -24,7 +24,7 @@ from kvlab.engine.request import Request, RequestOutput, Sequence, Status
 from kvlab.engine.sampling import SamplingParams, top_logprobs
 from kvlab.engine.scheduler import Scheduler
 from kvlab.errors import ConfigError, ContextLengthError, InputError
-from kvlab.model.batch import BatchInput, forward_batch
+from kvlab.model.batch import BatchInput
 from kvlab.model.llama import LlamaModel, validate_ids
 from kvlab.prefix.block_hash import root_key
 from kvlab.prefix.prefix_cache import PrefixCache
@@ -230,7 +230,7 @@ class Engine:
             context_lens=[s.num_computed_tokens + n for s, n in scheduled],
             block_tables=[s.block_table for s, _ in scheduled], slot_mapping=np.concatenate(slots),
             logits_indices=np.array(logits_rows, dtype=np.int64))
-        logits = forward_batch(self.model, batch, self.block_pool.key_cache, self.block_pool.value_cache)
+        logits = self.model.forward_batch(batch, self.block_pool)
         for seq, num_new in scheduled:
             seq.num_computed_tokens += num_new
             self.prefix_cache.insert(seq.block_table, seq.token_ids, seq.block_keys, seq.request.root_key,
