@@ -64,10 +64,15 @@ class ContiguousAttention:
             from kvlab.kernels import attention as decode_kernels, prefill_attention
 
             self._prefill = prefill_attention
+            if self.num_new == 1 and self.mask is None:  # a decode step that sees every key (no window)
+                starts, ends = np.zeros(batch, dtype=np.int64), np.full(batch, self.num_keys, dtype=np.int64)
+                self.decode = _DecodeCall(decode_kernels, starts, ends, config, self.dtype)
+                return
             # each query's visible keys as one run lo..hi-1; None (some row's keys are not one run): attend
             self.ranges = prefill_attention.key_ranges(self.mask, batch, self.num_new, self.num_keys)
             if self.ranges is not None and self.num_new == 1:
-                self.decode = _DecodeCall(decode_kernels, *self.ranges, config, self.dtype)
+                lo, hi = self.ranges
+                self.decode = _DecodeCall(decode_kernels, lo[:, 0].copy(), hi[:, 0].copy(), config, self.dtype)
 
     def _heads_first(self, x: np.ndarray) -> np.ndarray:
         """[N, H, d] rows of the flat batch as [B, H, T, d] (a view)."""
@@ -90,11 +95,14 @@ class ContiguousAttention:
         if not self.in_place:
             q4, keys, values = self.gather(layer, q, k, v)
             return self._merge(attend(q4, keys, values, self.mask))
-        k4, v4 = self._heads_first(k), self._heads_first(v)
-        if self.cache is not None:  # the layer's whole storage arrays; rows < num_keys are valid
-            k4, v4 = self.cache.append(layer, k4, v4, self.positions)
-        if self.decode is not None:
+        if self.decode is not None:  # one new row per sequence: [B, H_kv, d] -> [B, H_kv, 1, d]
+            k4, v4 = k[:, :, None], v[:, :, None]
+            if self.cache is not None:  # the layer's whole storage arrays; rows < num_keys are valid
+                k4, v4 = self.cache.append(layer, k4, v4, self.positions)
             return self.decode(q, k4, v4)
+        k4, v4 = self._heads_first(k), self._heads_first(v)
+        if self.cache is not None:
+            k4, v4 = self.cache.append(layer, k4, v4, self.positions)
         q4 = self._heads_first(q)
         if self.ranges is not None:
             return self._merge(self._prefill.prefill_attention(q4, k4, v4, *self.ranges))
@@ -108,20 +116,23 @@ class _DecodeCall:
     (serial or parallel, by the number of key rows), key ranges, one-block-per-sequence tables and the
     output buffer, so that each layer is one call."""
 
-    def __init__(self, kernels, lo: np.ndarray, hi: np.ndarray, config: ModelConfig, dtype: np.dtype) -> None:
-        batch = lo.shape[0]
+    def __init__(self, kernels, starts: np.ndarray, ends: np.ndarray, config: ModelConfig,
+                 dtype: np.dtype) -> None:
+        """Row b attends to its keys starts[b] .. ends[b]-1 ([B] int64 each)."""
+        batch = starts.shape[0]
         heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        self.starts, self.ends = lo[:, 0].copy(), hi[:, 0].copy()
+        self.starts, self.ends = starts, ends
         self.kernel = kernels.decode_kernel(int((self.ends - self.starts).sum()) * kv_heads)
         self.as_kernel_array, self.span = kernels.as_kernel_array, kernels.SPAN
         self.tables = np.arange(batch, dtype=np.int64)[:, None]  # a contiguous cache: one block per row
         self.scale, self.zero = dtype.type(1.0 / np.sqrt(head_dim)), dtype.type(0)
         self.out = np.empty((batch, heads, head_dim), dtype=dtype)  # reused: each layer's o is used at once
+        self.merged = self.out.reshape(batch, heads * head_dim)
 
     def __call__(self, q: np.ndarray, k4: np.ndarray, v4: np.ndarray) -> np.ndarray:
         self.kernel(q * self.scale, self.as_kernel_array(k4), self.as_kernel_array(v4), self.tables,
                     self.starts, self.ends, self.span, self.out, self.zero)
-        return self.out.reshape(self.out.shape[0], -1)
+        return self.merged
 
 
 class ObservedAttention:

@@ -184,10 +184,10 @@ class LlamaModel:
         return new_cache(self.cache_spec, batch_size, kv_dtype, capacity)
 
     # --- forward -----------------------------------------------------------------------------------------
-    def rope(self, positions: np.ndarray) -> Rope:
-        """cos and sign-folded sin ([-sin, sin]) [N, d] of each token's absolute position, from tables
-        grown by doubling (a decode step only looks rows up)."""
-        end = int(positions.max()) + 1
+    def rope(self, positions: np.ndarray | slice) -> Rope:
+        """cos and sign-folded sin ([-sin, sin]) [N, d] of each token's absolute position (an array, or a
+        slice start:end of them: views, no copy), from tables grown by doubling."""
+        end = positions.stop if isinstance(positions, slice) else int(positions.max()) + 1
         if self._cos.shape[0] < end:
             size = min(max(end, 2 * self._cos.shape[0], 256), max(end, self.config.max_position_embeddings))
             angles = np.arange(size).astype(self.dtype)[:, None] * self.inv_freq
@@ -197,10 +197,11 @@ class LlamaModel:
             self._cos, self._sin = np.cos(angles), sin
         return self._cos[positions], self._sin[positions]
 
-    def run_layers(self, token_ids: np.ndarray, positions: np.ndarray, attention: Attention) -> np.ndarray:
-        """The decoder blocks over a flat batch of N tokens ([N] ids at [N] absolute positions): the one
-        layer loop every forward runs. `attention` owns the K/V (model/attention.py); returns the final
-        residual stream [N, hidden], before the last norm."""
+    def run_layers(self, token_ids: np.ndarray, positions: np.ndarray | slice,
+                   attention: Attention) -> np.ndarray:
+        """The decoder blocks over a flat batch of N tokens ([N] ids at [N] absolute positions, or a slice
+        of consecutive ones): the one layer loop every forward runs. `attention` owns the K/V
+        (model/attention.py); returns the final residual stream [N, hidden], before the last norm."""
         x = self.embed_tokens(token_ids)  # a fresh [N, hidden] array: the residual stream, updated in place
         rope, ops = self.rope(positions), self.ops
         with np.errstate(over="ignore"):  # swiglu's exp(-gate) may overflow to inf: correct, and silent
@@ -223,7 +224,7 @@ class LlamaModel:
         ids = validate_ids(ids, config.vocab_size)
         batch, num_new = ids.shape
         if cache is not None:
-            if not isinstance(cache, Cache):
+            if not callable(getattr(cache, "check_compatible", None)):  # (a Protocol isinstance costs ~20 us)
                 raise InputError(f"cache must be a KVCache, got {type(cache).__name__}")
             cache.check_compatible(self.cache_spec, batch)
         start = cache.get_seq_length() if cache is not None else 0
@@ -244,7 +245,7 @@ class LlamaModel:
                                                    self.ops.compiled and observer is None, self.dtype)
         if observer is not None:
             attention = ObservedAttention(attention, observer)
-        flat_positions = positions if batch == 1 else np.tile(positions, batch)
+        flat_positions = slice(start, end) if batch == 1 else np.tile(positions, batch)
         x = self.run_layers(ids.reshape(-1), flat_positions, attention).reshape(batch, num_new, -1)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]

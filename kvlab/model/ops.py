@@ -120,6 +120,8 @@ class CompiledOps(_Shapes):
         self._gemv, self._fused = gemv, decode_layer
         self.max_fused_rows = gemv.MAX_KERNEL_ROWS  # the gemv kernels' own limit: above it BLAS wins
         self._empty = np.zeros(0, dtype=dtype)
+        # scalars typed once: a decode step makes two kernel calls per layer, each a few microseconds
+        self._eps, self._zero, self._half = dtype.type(self.eps), dtype.type(0), self.head_dim // 2
 
     def bind(self, layers: Sequence[Any]) -> list[KernelLayer]:
         view, empty = self._gemv.as_kernel_array, self._empty
@@ -135,13 +137,11 @@ class CompiledOps(_Shapes):
                  rope: Rope) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         rows, cos, sin = x.shape[0], *rope
         if rows <= self.max_fused_rows:  # norm, product, bias and RoPE in one call
-            qkv = np.empty((rows, self.all_heads * self.head_dim), dtype=x.dtype)
-            half = self.head_dim // 2
-            self._fused.qkv_rope(x, layer.layer.input_norm, x.dtype.type(self.eps), layer.qkv, layer.b_qkv,
-                                 cos.reshape(rows, 2, half), sin.reshape(rows, 2, half), self.qk_heads, qkv,
-                                 x.dtype.type(0))
-            qkv = qkv.reshape(rows, self.all_heads, self.head_dim)
-            return self.split(qkv, qkv[:, :self.qk_heads])
+            qkv = np.empty((rows, self.all_heads, self.head_dim), dtype=x.dtype)
+            self._fused.qkv_rope(x, layer.layer.input_norm, self._eps, layer.qkv, layer.b_qkv,
+                                 cos.reshape(rows, 2, self._half), sin.reshape(rows, 2, self._half),
+                                 self.qk_heads, qkv.reshape(rows, -1), self._zero)
+            return qkv[:, :self.heads], qkv[:, self.heads:self.qk_heads], qkv[:, self.qk_heads:]
         weights = layer.layer
         qkv = self.norm_linear(x, weights.input_norm, weights.w_qkv, weights.b_qkv)
         qkv = qkv.reshape(rows, self.all_heads, self.head_dim)
@@ -150,8 +150,8 @@ class CompiledOps(_Shapes):
     def output_mlp(self, x: np.ndarray, o: np.ndarray, layer: KernelLayer) -> None:
         weights = layer.layer
         if x.shape[0] <= self.max_fused_rows:  # the rest of the block in one call
-            self._fused.output_mlp(x, o, layer.o, layer.b_o, weights.post_norm, x.dtype.type(self.eps),
-                                   layer.gate_up, layer.down, x.dtype.type(0))
+            self._fused.output_mlp(x, o, layer.o, layer.b_o, weights.post_norm, self._eps, layer.gate_up,
+                                   layer.down, self._zero)
             return
         x += self._gemv.linear(o, weights.w_o, weights.b_o)
         gate_up = self.norm_linear(x, weights.post_norm, weights.w_gate_up)
