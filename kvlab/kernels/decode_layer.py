@@ -1,11 +1,14 @@
-"""A decode step's decoder block in three compiled calls.
+"""A decoder block for a few rows (a decode step) in three compiled calls.
 
 At batch 1 a block is a chain of matrix-vector products with small steps between them (a norm, RoPE, a
 cache write, attention over a few hundred keys, SwiGLU). Run as separate kernels and NumPy calls, those
-steps cost ~20 Python and dispatcher round trips per layer, 600 per step; here they are three:
+steps cost ~20 Python and dispatcher round trips per layer, 600 per step; here they are three, made by
+the model's one layer loop through its two seams (kvlab/model/ops.py's CompiledOps for up to
+gemv.MAX_KERNEL_ROWS rows, kvlab/model/attention.py):
 
-  * `qkv_rope`: RMSNorm, the fused q/k/v product (+ bias), RoPE on the q and k heads;
-  * (the caller writes k and v into the cache, which rounds them to its dtype as every path does;)
+  * `qkv_rope`: RMSNorm, the fused q/k/v product (+ bias), RoPE on the q and k heads, each row at its own
+    position (the engine's batched decodes sit at different positions);
+  * (the attention writes k and v into the cache, which rounds them to its dtype as every path does;)
   * decode attention over the cache read in place (attention.py's kernel, called directly);
   * `output_mlp`: the output product and residual, RMSNorm, gate/up, SwiGLU, down and residual.
 

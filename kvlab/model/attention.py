@@ -78,7 +78,7 @@ class ContiguousAttention:
         """[N, H, d] rows of the flat batch as [B, H, T, d] (a view)."""
         return x.reshape(self.batch, self.num_new, *x.shape[1:]).transpose(0, 2, 1, 3)
 
-    def _merge(self, out: np.ndarray) -> np.ndarray:
+    def merge(self, out: np.ndarray) -> np.ndarray:
         """[B, H_q, T, d] back to the flat batch's merged heads [N, H_q d]."""
         return out.transpose(0, 2, 1, 3).reshape(self.batch * self.num_new, -1)
 
@@ -94,7 +94,7 @@ class ContiguousAttention:
     def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         if not self.in_place:
             q4, keys, values = self.gather(layer, q, k, v)
-            return self._merge(attend(q4, keys, values, self.mask))
+            return self.merge(attend(q4, keys, values, self.mask))
         if self.decode is not None:  # one new row per sequence: [B, H_kv, d] -> [B, H_kv, 1, d]
             k4, v4 = k[:, :, None], v[:, :, None]
             if self.cache is not None:  # the layer's whole storage arrays; rows < num_keys are valid
@@ -105,9 +105,9 @@ class ContiguousAttention:
             k4, v4 = self.cache.append(layer, k4, v4, self.positions)
         q4 = self._heads_first(q)
         if self.ranges is not None:
-            return self._merge(self._prefill.prefill_attention(q4, k4, v4, *self.ranges))
+            return self.merge(self._prefill.prefill_attention(q4, k4, v4, *self.ranges))
         end = self.num_keys  # a mask the kernels cannot take: the NumPy reference on widened rows
-        return self._merge(attend(q4, k4[:, :, :end].astype(self.dtype), v4[:, :, :end].astype(self.dtype),
+        return self.merge(attend(q4, k4[:, :, :end].astype(self.dtype), v4[:, :, :end].astype(self.dtype),
                                   self.mask))
 
 
@@ -149,7 +149,7 @@ class ObservedAttention:
 
     def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         q4, keys, values = self.inner.gather(layer, q, k, v)
-        out = self.inner._merge(attend(q4, keys, values, self.inner.mask))
+        out = self.inner.merge(attend(q4, keys, values, self.inner.mask))
         self.observer(layer, q4, keys, self.inner.mask)
         return out
 
