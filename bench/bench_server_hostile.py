@@ -85,20 +85,20 @@ def fault_scenario() -> dict[str, Any]:
     import numpy as np
 
     import kvlab
-    import kvlab.engine.engine as engine_module
+    from kvlab.model.llama import LlamaModel
     from kvlab.engine.engine import Engine
     from kvlab.serve.app import create_app
 
     model, tokenizer = kvlab.load()
     poison = 4095
-    real = engine_module.forward_batch
+    real = LlamaModel.forward_batch
 
     def faulty(model, batch, *args, **kwargs):
         if poison in np.asarray(batch.token_ids).tolist():
             raise RuntimeError("injected fault")
         return real(model, batch, *args, **kwargs)
 
-    engine_module.forward_batch = faulty
+    LlamaModel.forward_batch = faulty
     server = InProcessServer(create_app(Engine(model, tokenizer), tokenizer, model_names=["bard"]))
     try:
         streams = [threading.Thread(target=lambda: httpx.post(
@@ -110,7 +110,7 @@ def fault_scenario() -> dict[str, Any]:
             t.join()
         return row
     finally:
-        engine_module.forward_batch = real
+        LlamaModel.forward_batch = real
         server.stop()
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "kvlab"
 
@@ -109,11 +108,4 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     assert [layer_of(t) > layer_of(module) for _, t in found] == [True, False]
 
 
-@pytest.mark.xfail(reason="the model helper's rule (issue 19): model/ imports no concrete cache class; "
-                          "the lead removes this mark at merge, once kvlab/model/ talks to Attention only",
-                   strict=False)
-def test_model_imports_no_concrete_cache_class():
-    concrete = ("kvlab.cache.kv_cache", "kvlab.cache.contiguous", "kvlab.cache.paged", "kvlab.cache.quantized")
-    found = [f"{module}:{line} imports {target}" for module, line, target in graph()
-             if module.startswith("kvlab.model") and target.startswith(concrete)]
-    assert found == []
+# model/ names no concrete cache class: tests/test_model_seams.py checks the imported names themselves

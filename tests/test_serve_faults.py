@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import kvlab
-import kvlab.engine.model_runner as engine_module
+from kvlab.model.llama import LlamaModel
 from kvlab.engine.engine import Engine
 from kvlab.serve.app import create_app
 from serve_helpers import InProcessServer
@@ -48,7 +48,7 @@ def test_a_step_that_raises_for_one_request_fails_only_that_request(model_and_to
     expected = [reference(model_and_tokenizer, ids, MAX_TOKENS) for ids in prompts]
     seen = {t for ids in prompts for t in ids} | {t for text in expected for t in tokenizer.encode(text)}
     poison = next(t for t in range(100, 4096) if t not in seen)   # a token none of the others ever holds
-    real_forward = engine_module.forward_batch
+    real_forward = LlamaModel.forward_batch  # the engine's step: one batched forward over the pool
     gate = threading.Event()
     gate.set()
     failures: list[int] = []   # sequences in each batch that raised
@@ -60,7 +60,7 @@ def test_a_step_that_raises_for_one_request_fails_only_that_request(model_and_to
             raise RuntimeError("injected fault: the poisoned token reached the model")
         return real_forward(model, batch, *args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "forward_batch", faulty_forward)
+    monkeypatch.setattr(LlamaModel, "forward_batch", faulty_forward)
     server = start(model_and_tokenizer)
     try:
         first_chunk = threading.Barrier(len(prompts) + 1, timeout=60)

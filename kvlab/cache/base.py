@@ -1,15 +1,18 @@
-"""The Cache protocol the model talks to, and the KVStore protocol storage backends implement.
+"""The two storage protocols the model talks to (Cache, PagedKV), and the KVStore protocol of backends.
 
-The model asks its cache one thing per layer: "here are the new keys and values at these positions; give
-me all keys, values and key positions to attend to" (`update`), then `commit`s once every layer has
-written. Until the commit the new rows are invisible to `get_seq_length`, so a forward that fails half-way
-leaves the cache exactly as it was (DESIGN invariant 8).
+The model's attention (kvlab/model/attention.py) asks a contiguous Cache one thing per layer: "here are
+the new keys and values at these positions; give me all keys, values and key positions to attend to"
+(`update`; `append` for kernels that read the rows where they lie), then the model `commit`s once every
+layer has written. Until the commit the new rows are invisible to `get_seq_length`, so a forward that
+fails half-way leaves the cache exactly as it was (DESIGN invariant 8). A block pool (PagedKV) is read and
+written per layer through block tables and a slot mapping. The model knows these protocols, never the
+classes that implement them (KVCache, BlockPool).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -51,19 +54,43 @@ class KVStore(Protocol):
     def capacity_bytes(self) -> int: ...
 
 
+@runtime_checkable
 class Cache(Protocol):
-    """What `LlamaModel.forward` needs from a cache."""
+    """What `LlamaModel.forward` and its ContiguousAttention need from a cache (KVCache implements it)."""
 
     spec: CacheSpec
 
     def get_seq_length(self) -> int: ...
+
+    @property
+    def positions(self) -> np.ndarray:
+        """Absolute position of every committed row, [T]: the mask is built from them (invariant 2)."""
+
+    @property
+    def in_place(self) -> bool:
+        """True when kernels may read the rows where they lie (`append`); False: read through `update`."""
 
     def check_compatible(self, spec: CacheSpec, batch_size: int) -> None:
         """Raise CacheMismatchError if this cache was not produced by `spec` at this batch size."""
 
     def update(self, layer: int, keys: np.ndarray, values: np.ndarray,
                positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Write the new rows of `layer`; return (all keys, all values, all key positions)."""
+        """Write the new rows of `layer`; return (all keys, all values, all key positions), K/V in the
+        compute dtype."""
+
+    def append(self, layer: int, keys: np.ndarray, values: np.ndarray,
+               positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Write the new rows of `layer`; return its whole storage arrays [B, H_kv, capacity, d] in the
+        cache dtype (only when `in_place`)."""
 
     def commit(self, num_new: int) -> None:
         """Make the rows written by the last round of `update`s part of the cache."""
+
+
+class PagedKV(Protocol):
+    """What PagedAttention needs from a block pool (BlockPool implements it): per layer, the key and value
+    blocks [num_blocks, H_kv, block_size, d], float arrays (read in place by the kernels) or quantized
+    blocks (written and gathered by `kvlab.cache.paged.write_slots` / `gather_blocks`)."""
+
+    key_cache: Sequence[object]
+    value_cache: Sequence[object]

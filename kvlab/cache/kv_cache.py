@@ -45,9 +45,6 @@ class KVCache:
                              f"({type(exc).__name__}: {exc})") from None
         self._positions = np.zeros(max(self.store.capacity_tokens, 1), dtype=np.int64)
         self._length = 0
-        # Called by the model after each layer's attention as observer(layer, q, k, mask), when set
-        # (H2O's heavy-hitter scores, kvlab/policies/h2o.py); None keeps the fast decode path.
-        self.observer = None
 
     @property
     def quantized(self) -> bool:
@@ -244,3 +241,10 @@ class KVCache:
     def __repr__(self) -> str:
         return (f"KVCache(layers={len(self)}, batch={self.batch_size}, tokens={self._length}, "
                 f"dtype={self.dtype.name}, fingerprint={self.spec.fingerprint[:12]})")
+
+
+def new_cache(spec: CacheSpec, batch_size: int = 1, kv_dtype: object = None,
+              capacity: int = MIN_CAPACITY) -> KVCache:
+    """An empty cache for the model that `spec` describes: what `LlamaModel.new_cache` and
+    `forward(use_cache=True)` ask for, so that the model itself never names a concrete cache class."""
+    return KVCache(spec, batch_size, kv_dtype, capacity)

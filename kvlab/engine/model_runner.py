@@ -14,7 +14,7 @@ import numpy as np
 from kvlab.cache.paged import BlockPool, slot_mapping
 from kvlab.engine.introspection import StepCounters
 from kvlab.engine.request import Sequence
-from kvlab.model.batch import BatchInput, forward_batch
+from kvlab.model.batch import BatchInput
 from kvlab.model.llama import LlamaModel
 from kvlab.prefix.prefix_cache import PrefixCache
 
@@ -58,7 +58,7 @@ class ModelRunner:
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[np.ndarray, list[Sequence]]:
         """One batched forward over every scheduled token; logits [len(sampled), vocab] and `sampled`."""
         batch, sampled = self.prepare(scheduled)
-        logits = forward_batch(self.model, batch, self.pool.key_cache, self.pool.value_cache)
+        logits = self.model.forward_batch(batch, self.pool)
         for seq, num_new in scheduled:  # every layer has written: commit, then make full blocks findable
             seq.num_computed_tokens += num_new
             inserted = self.prefix_cache.insert(seq.block_table, seq.token_ids, seq.request.root_key,

@@ -1,11 +1,14 @@
-"""A decode step's decoder block in three compiled calls.
+"""A decoder block for a few rows (a decode step) in three compiled calls.
 
 At batch 1 a block is a chain of matrix-vector products with small steps between them (a norm, RoPE, a
 cache write, attention over a few hundred keys, SwiGLU). Run as separate kernels and NumPy calls, those
-steps cost ~20 Python and dispatcher round trips per layer, 600 per step; here they are three:
+steps cost ~20 Python and dispatcher round trips per layer, 600 per step; here they are three, made by
+the model's one layer loop through its two seams (kvlab/model/ops.py's CompiledOps for up to
+gemv.MAX_KERNEL_ROWS rows, kvlab/model/attention.py):
 
-  * `qkv_rope`: RMSNorm, the fused q/k/v product (+ bias), RoPE on the q and k heads;
-  * (the caller writes k and v into the cache, which rounds them to its dtype as every path does;)
+  * `qkv_rope`: RMSNorm, the fused q/k/v product (+ bias), RoPE on the q and k heads, each row at its own
+    position (the engine's batched decodes sit at different positions);
+  * (the attention writes k and v into the cache, which rounds them to its dtype as every path does;)
   * decode attention over the cache read in place (attention.py's kernel, called directly);
   * `output_mlp`: the output product and residual, RMSNorm, gate/up, SwiGLU, down and residual.
 
@@ -30,15 +33,15 @@ from kvlab.kernels.gemv import FASTMATH, matvec_column, rms_norm_rows, silu_time
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def qkv_rope(x, norm, eps, w_qkv, bias, cos, sin, rotated_heads, out, zero):
     """out [B, (H_q + 2 H_kv) d] = rms_norm(x) @ w_qkv.T + bias, then RoPE on the first `rotated_heads`
-    heads (q and k): cos, sin [2, d/2] are this position's rotation with sin sign-folded ([-sin, sin]),
-    as the model's `rotate_halves`. An empty `bias` means none."""
+    heads (q and k): cos[b], sin[b] [2, d/2] are row b's rotation (each row has its own position) with
+    sin sign-folded ([-sin, sin]), as the model's `rotate_halves`. An empty `bias` means none."""
     xn = np.empty_like(x)
     rms_norm_rows(x, norm, eps, xn, zero)
     for n in prange(w_qkv.shape[0]):
         matvec_column(xn, w_qkv, out, zero, n)
-    half = cos.shape[1]
+    half = cos.shape[2]
     for b in range(x.shape[0]):
-        row = out[b]
+        row, c, s = out[b], cos[b], sin[b]
         if bias.shape[0]:
             for i in range(row.shape[0]):
                 row[i] += bias[i]
@@ -46,8 +49,8 @@ def qkv_rope(x, norm, eps, w_qkv, bias, cos, sin, rotated_heads, out, zero):
             first, second = row[2 * h * half:(2 * h + 1) * half], row[(2 * h + 1) * half:(2 * h + 2) * half]
             for i in range(half):
                 x1, x2 = first[i], second[i]
-                first[i] = x1 * cos[0, i] + x2 * sin[0, i]
-                second[i] = x2 * cos[1, i] + x1 * sin[1, i]
+                first[i] = x1 * c[0, i] + x2 * s[0, i]
+                second[i] = x2 * c[1, i] + x1 * s[1, i]
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)

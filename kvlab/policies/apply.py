@@ -4,8 +4,8 @@ Positions: kept rows are re-rotated to positions 0..n-1 (their place in the cach
 positions in the text. Why:
 
 * the model's contract stays as it is: new positions start at num_cached_tokens (DESIGN invariant 4) and
-  the mask is built from the cache's absolute positions, which are then plain 0..T-1 (the decode fast path
-  applies unchanged);
+  the mask is built from the cache's absolute positions, which are then plain 0..T-1 (one run of keys
+  per query, which the compiled kernels take);
 * positions never pass the budget, so a model with a 256-token context can run forever (llama.cpp's
   context shift, `kvlab generate -n 2000 --context-shift`); stored position ids would grow past
   max_position_embeddings;
@@ -66,6 +66,6 @@ def forward_with_policy(model: LlamaModel, ids: Any, cache: KVCache, policy: Pol
         part = ids[:, start:start + size]
         keep = min(logits_to_keep, part.shape[1]) if logits_to_keep else 0
         make_room(model, cache, policy, part.shape[1])
-        outputs.append(model.forward(part, cache=cache, logits_to_keep=keep).logits)
+        outputs.append(model.forward(part, cache=cache, logits_to_keep=keep, observer=policy.observe).logits)
     logits = outputs[0] if len(outputs) == 1 else np.concatenate(outputs, axis=1)
     return logits[:, -logits_to_keep:] if logits_to_keep else logits

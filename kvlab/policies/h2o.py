@@ -1,11 +1,13 @@
 """H2O heavy hitters (Zhang et al. 2023): under a fixed budget, keep the tokens that have received the
 most attention so far, plus a window of the most recent ones.
 
-Scores are accumulated from the model's attention probabilities: after each layer the cache's `observer`
-gets (layer, q, k, mask) and adds each key's probability mass, summed over batch, layers, query heads and
-queries. One score per row, because the cache keeps one set of rows for all layers and heads (H2O itself
-chooses per head; that needs a per-head cache layout). Setting an observer makes the model take its
-general path for decode steps, which costs speed, and the scores cost one more q.k product per layer.
+Scores are accumulated from the model's attention probabilities: `forward_with_policy` passes `observe`
+to the model's forward, whose attention (an ObservedAttention, kvlab/model/attention.py) shows it
+(layer, q, k, mask) after each layer; it adds each key's probability mass, summed over batch, layers,
+query heads and queries. One score per row, because the cache keeps one set of rows for all layers and
+heads (H2O itself chooses per head; that needs a per-head cache layout). Observed attention gathers the
+keys into the compute dtype and runs the NumPy reference, which costs speed, and the scores cost one more
+q.k product per layer.
 Kept rows are packed to positions 0..n-1 like every policy (kvlab/policies/apply.py), which shortens the
 distances between surviving heavy hitters: a difference from H2O's reference code, which keeps positions.
 """
@@ -34,7 +36,6 @@ class HeavyHitters(Policy):
 
     def start(self, cache) -> None:
         self.scores = np.zeros(cache.get_seq_length())
-        cache.observer = self.observe
 
     def observe(self, layer: int, q: np.ndarray, k: np.ndarray, mask: np.ndarray | None) -> None:
         """Add this layer's attention probabilities per key (q [B, H_q, n, d], k [B, H_kv, T, d])."""

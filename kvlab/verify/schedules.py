@@ -16,8 +16,8 @@ import numpy as np
 
 from kvlab.cache.paged import BlockPool, slot_mapping
 from kvlab.engine.engine import Engine
+from kvlab.model.batch import BatchInput
 from kvlab.sampling.sampler import SamplingParams
-from kvlab.model.batch import BatchInput, forward_batch
 from kvlab.model.llama import LlamaModel
 
 
@@ -47,7 +47,7 @@ def paged_logits(model: LlamaModel, prompts: Sequence[Sequence[int]], chunks: Se
                                                           for s, n in zip(members, qlens)]),
                            qlens, [done[s] for s in members], [tables[s] for s in members],
                            np.concatenate(slots), np.arange(len(ids)))
-        out = forward_batch(model, batch, pool.key_cache, pool.value_cache)
+        out = model.forward_batch(batch, pool)
         row = 0
         for s, n in zip(members, qlens):
             logits[s][done[s] - n:done[s]] = out[row:row + n]

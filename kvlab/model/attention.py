@@ -1,0 +1,231 @@
+"""Seam 2, attention: the only code of the model that touches K/V storage.
+
+The layer loop hands an Attention the layer's new rows of a flat batch of N tokens, after RoPE:
+q [N, H_q, d], k and v [N, H_kv, d]. It writes k and v where the storage keeps them, attends each query
+to the keys its sequence may see and returns the merged heads o [N, H_q d]. Everything that is the same
+in every layer (the mask from absolute positions, DESIGN invariant 2; key ranges for the kernels; block
+tables) is built once, when the Attention is made for one forward.
+
+  * `ContiguousAttention` over a Cache (kvlab/cache/base.py, KVCache): B sequences in rows
+    [B, H_kv, T, d], all at the same positions; `LlamaModel.forward` makes one per call.
+  * `PagedAttention` over a PagedKV pool (BlockPool): each sequence of the batch brings its own tokens,
+    positions and block table, and new rows go through the slot mapping; `LlamaModel.forward_batch`.
+  * `ObservedAttention` wraps a gathering ContiguousAttention and shows each layer's queries, keys and
+    mask to an observer (H2O's heavy-hitter scores, kvlab/policies/h2o.py).
+
+Each one either runs compiled kernels on the storage in place (float storage on the compiled backend:
+kvlab/kernels/attention.py for one query per sequence, kernels/prefill_attention.py for more) or gathers
+the keys and values into contiguous compute-dtype arrays and calls the NumPy reference `layers.attend`
+(the NumPy backend, quantized caches, masks that are not one run of keys per query). The model knows
+only the two storage protocols, never a concrete cache class.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import numpy as np
+
+from kvlab.cache.base import Cache, PagedKV
+from kvlab.cache.paged import write_slots
+from kvlab.config import ModelConfig
+from kvlab.model.batch import BatchInput
+from kvlab.model.layers import attend, attention_mask
+from kvlab.model.paged_attention import paged_attention
+
+# observer(layer, q [B, H_q, n, d], keys [B, H_kv, T, d] in the compute dtype, mask [n, T] or None)
+Observer = Callable[[int, np.ndarray, np.ndarray, "np.ndarray | None"], None]
+
+
+class Attention(Protocol):
+    """One forward's attention: `attention(layer, q, k, v) -> o [N, H_q d]` (shapes above)."""
+
+    def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray: ...
+
+
+class ContiguousAttention:
+    """B sequences of a Cache (or none: the new rows only), each with the same `positions` [T] this forward.
+
+    The flat batch is row-major: token t of sequence b is row b * T + t. `compiled` asks for the kernels;
+    they run only on a cache that can be read in place (`cache.in_place`: a float store).
+    """
+
+    def __init__(self, cache: Cache | None, positions: np.ndarray, batch: int, config: ModelConfig,
+                 compiled: bool, dtype: np.dtype) -> None:
+        self.cache, self.positions, self.batch, self.dtype = cache, positions, batch, np.dtype(dtype)
+        self.num_new = len(positions)
+        key_positions = positions if cache is None else np.append(cache.positions, positions)
+        self.num_keys = len(key_positions)
+        self.mask = attention_mask(positions, key_positions, causal=config.causal,
+                                   sliding_window=config.sliding_window)
+        self.in_place = compiled and (cache is None or cache.in_place)
+        self.ranges = self.decode = None
+        if self.in_place:
+            from kvlab.kernels import attention as decode_kernels, prefill_attention
+
+            self._prefill = prefill_attention
+            if self.num_new == 1 and self.mask is None:  # a decode step that sees every key (no window)
+                starts, ends = np.zeros(batch, dtype=np.int64), np.full(batch, self.num_keys, dtype=np.int64)
+                self.decode = _DecodeCall(decode_kernels, starts, ends, config, self.dtype)
+                return
+            # each query's visible keys as one run lo..hi-1; None (some row's keys are not one run): attend
+            self.ranges = prefill_attention.key_ranges(self.mask, batch, self.num_new, self.num_keys)
+            if self.ranges is not None and self.num_new == 1:
+                lo, hi = self.ranges
+                self.decode = _DecodeCall(decode_kernels, lo[:, 0].copy(), hi[:, 0].copy(), config, self.dtype)
+
+    def _heads_first(self, x: np.ndarray) -> np.ndarray:
+        """[N, H, d] rows of the flat batch as [B, H, T, d] (a view)."""
+        return x.reshape(self.batch, self.num_new, *x.shape[1:]).transpose(0, 2, 1, 3)
+
+    def merge(self, out: np.ndarray) -> np.ndarray:
+        """[B, H_q, T, d] back to the flat batch's merged heads [N, H_q d]."""
+        return out.transpose(0, 2, 1, 3).reshape(self.batch * self.num_new, -1)
+
+    def gather(self, layer: int, q: np.ndarray, k: np.ndarray,
+               v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Write the new rows; return q [B, H_q, T, d] and every key and value to attend to, in the compute
+        dtype ([B, H_kv, num_keys, d]: dequantized or widened copies of a low-precision cache)."""
+        k, v = self._heads_first(k), self._heads_first(v)
+        if self.cache is not None:
+            k, v, _ = self.cache.update(layer, k, v, self.positions)
+        return self._heads_first(q), k, v
+
+    def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        if not self.in_place:
+            q4, keys, values = self.gather(layer, q, k, v)
+            return self.merge(attend(q4, keys, values, self.mask))
+        if self.decode is not None:  # one new row per sequence: [B, H_kv, d] -> [B, H_kv, 1, d]
+            k4, v4 = k[:, :, None], v[:, :, None]
+            if self.cache is not None:  # the layer's whole storage arrays; rows < num_keys are valid
+                k4, v4 = self.cache.append(layer, k4, v4, self.positions)
+            return self.decode(q, k4, v4)
+        k4, v4 = self._heads_first(k), self._heads_first(v)
+        if self.cache is not None:
+            k4, v4 = self.cache.append(layer, k4, v4, self.positions)
+        q4 = self._heads_first(q)
+        if self.ranges is not None:
+            return self.merge(self._prefill.prefill_attention(q4, k4, v4, *self.ranges))
+        end = self.num_keys  # a mask the kernels cannot take: the NumPy reference on widened rows
+        return self.merge(attend(q4, k4[:, :, :end].astype(self.dtype), v4[:, :, :end].astype(self.dtype),
+                                  self.mask))
+
+
+class _DecodeCall:
+    """The compiled decode kernel for one query per sequence, set up once per forward: the kernel variant
+    (serial or parallel, by the number of key rows), key ranges, one-block-per-sequence tables and the
+    output buffer, so that each layer is one call."""
+
+    def __init__(self, kernels, starts: np.ndarray, ends: np.ndarray, config: ModelConfig,
+                 dtype: np.dtype) -> None:
+        """Row b attends to its keys starts[b] .. ends[b]-1 ([B] int64 each)."""
+        batch = starts.shape[0]
+        heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.starts, self.ends = starts, ends
+        self.kernel = kernels.decode_kernel(int((self.ends - self.starts).sum()) * kv_heads)
+        self.as_kernel_array, self.span = kernels.as_kernel_array, kernels.SPAN
+        self.tables = np.arange(batch, dtype=np.int64)[:, None]  # a contiguous cache: one block per row
+        self.scale, self.zero = dtype.type(1.0 / np.sqrt(head_dim)), dtype.type(0)
+        self.out = np.empty((batch, heads, head_dim), dtype=dtype)  # reused: each layer's o is used at once
+        self.merged = self.out.reshape(batch, heads * head_dim)
+
+    def __call__(self, q: np.ndarray, k4: np.ndarray, v4: np.ndarray) -> np.ndarray:
+        self.kernel(q * self.scale, self.as_kernel_array(k4), self.as_kernel_array(v4), self.tables,
+                    self.starts, self.ends, self.span, self.out, self.zero)
+        return self.merged
+
+
+class ObservedAttention:
+    """A gathering ContiguousAttention whose queries, keys and mask an observer sees after each layer.
+
+    Why a wrapper: the observer (H2O) needs the scores' inputs, which only the gathering path has in the
+    compute dtype; the cache itself never knows it is observed.
+    """
+
+    def __init__(self, inner: ContiguousAttention, observer: Observer) -> None:
+        if inner.in_place:
+            raise ValueError("an observed attention must gather (build it with compiled=False)")
+        self.inner, self.observer = inner, observer
+
+    def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        q4, keys, values = self.inner.gather(layer, q, k, v)
+        out = self.inner.merge(attend(q4, keys, values, self.inner.mask))
+        self.observer(layer, q4, keys, self.inner.mask)
+        return out
+
+
+class PagedAttention:
+    """A batch of sequences over a block pool: new rows written through the slot mapping, each sequence
+    attending to its own blocks.
+
+    One-token sequences (decodes) share one padded attention call; prefill chunks attend sequence by
+    sequence. Compiled and float pool: kernels that read the blocks in place; otherwise the NumPy
+    reference gathers them (model/paged_attention.py).
+    """
+
+    def __init__(self, pool: PagedKV, batch: BatchInput, config: ModelConfig, compiled: bool) -> None:
+        self.key_cache, self.value_cache = pool.key_cache, pool.value_cache
+        self.slot_mapping = batch.slot_mapping
+        self.causal, self.window = config.causal, config.sliding_window
+        self.heads, self.head_dim = config.num_attention_heads, config.head_dim
+        positions = self.positions = np.asarray(batch.positions, dtype=np.int64)
+        self.context_lens = batch.context_lens
+        self.starts = np.concatenate([[0], np.cumsum(batch.query_lens)]).astype(np.int64)
+        self.decodes = [i for i, n in enumerate(batch.query_lens) if n == 1]
+        self.others = [i for i, n in enumerate(batch.query_lens) if n > 1]
+        if self.decodes:  # one padded attention call for every one-token sequence
+            self.decode_rows = self.starts[self.decodes]
+            self.decode_tables = _padded([batch.block_tables[i] for i in self.decodes])
+            self.decode_positions = positions[self.decode_rows][:, None]
+            self.decode_lens = np.array([batch.context_lens[i] for i in self.decodes], dtype=np.int64)
+            # a decode sees keys from its window's start (W keys, itself included) to itself
+            self.decode_starts = np.maximum(self.decode_positions[:, 0] - self.window + 1, 0) \
+                if self.window else None
+        # compiled attention reads a float pool in place; quantized blocks go through the NumPy gather
+        self.in_place = compiled and isinstance(self.key_cache[0], np.ndarray)
+        self.seq_tables = {i: np.array([batch.block_tables[i]], dtype=np.int64) for i in self.others}
+        self.ranges = {}  # compiled prefill: each chunk's visible keys as one range per query
+        if self.in_place:
+            from kvlab.kernels import attention as decode_kernels, prefill_attention
+
+            self._decode, self._prefill = decode_kernels, prefill_attention
+            for i in self.others:
+                query_positions = positions[self.starts[i]:self.starts[i + 1]]
+                mask = attention_mask(query_positions, np.arange(batch.context_lens[i]), causal=self.causal,
+                                      sliding_window=self.window)
+                self.ranges[i] = prefill_attention.key_ranges(mask, 1, len(query_positions),
+                                                              batch.context_lens[i])
+
+    def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        key_cache, value_cache = self.key_cache[layer], self.value_cache[layer]
+        write_slots(key_cache, value_cache, self.slot_mapping, k, v)
+        attn = np.empty((q.shape[0], self.heads, self.head_dim), dtype=q.dtype)
+        if self.decodes and self.in_place:
+            attn[self.decode_rows] = self._decode.paged_decode_attention(
+                q[self.decode_rows], key_cache, value_cache, self.decode_tables, self.decode_lens,
+                self.decode_starts)
+        elif self.decodes:
+            out = paged_attention(q[self.decode_rows][:, :, None], key_cache, value_cache, self.decode_tables,
+                                  self.decode_positions, self.decode_lens, causal=self.causal,
+                                  sliding_window=self.window)
+            attn[self.decode_rows] = out[:, :, 0]
+        for i in self.others:
+            rows = slice(self.starts[i], self.starts[i + 1])
+            if self.ranges.get(i) is not None:
+                attn[rows] = self._prefill.paged_prefill_attention(
+                    q[rows].transpose(1, 0, 2)[None], key_cache, value_cache, self.seq_tables[i],
+                    *self.ranges[i])[0].transpose(1, 0, 2)
+                continue
+            out = paged_attention(q[rows].transpose(1, 0, 2)[None], key_cache, value_cache, self.seq_tables[i],
+                                  self.positions[rows][None], [self.context_lens[i]], causal=self.causal,
+                                  sliding_window=self.window)
+            attn[rows] = out[0].transpose(1, 0, 2)
+        return attn.reshape(q.shape[0], self.heads * self.head_dim)
+
+
+def _padded(tables: list[list[int]]) -> np.ndarray:
+    width = max(len(t) for t in tables)
+    out = np.zeros((len(tables), width), dtype=np.int64)
+    for row, table in enumerate(tables):
+        out[row, :len(table)] = table
+    return out

@@ -1,0 +1,163 @@
+"""Seam 1, the math of a decoder block: `qkv_rope` before attention, `output_mlp` after it.
+
+The model's one layer loop (LlamaModel.run_layers) runs over a flat batch of N tokens, x [N, hidden]:
+
+    q, k, v = ops.qkv_rope(x, layer, rope)   # RMSNorm, fused q/k/v product (+ bias), RoPE on q and k
+    o = attention(index, q, k, v)            # kvlab/model/attention.py: the only code that sees K/V storage
+    ops.output_mlp(x, o, layer)              # output product + residual, RMSNorm, SwiGLU MLP + residual
+
+An Ops class is one way of doing that math, chosen once when the model is built:
+
+  * `NumpyOps`, the reference: the formulas of model/layers.py as written, NumPy only, no speed tricks;
+  * `CompiledOps`, the numba kernels (kvlab/kernels/): a few rows (a decode step, up to MAX_KERNEL_ROWS
+    tokens) go through the fused block kernels of kernels/decode_layer.py, two calls per layer that read
+    bfloat16/float16 weights in place; more rows (a prefill) take the same products as BLAS calls on
+    widened weights (kernels/gemv.py), where the work is compute rather than memory.
+
+A new weight format or a torch backend is one more class with these methods. `bind` turns the model's
+fused weights (model/llama.Layer) into whatever the class reads per layer (the compiled kernels take
+half-precision matrices as raw bits), once per set of weights, so the loop does no per-step conversion.
+`rope` is the pair (cos, sin) [N, d] of each token's rotation at its absolute position, sin sign-folded
+([-sin, sin], see layers.rotate_halves).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol, Sequence
+
+import numpy as np
+
+from kvlab.config import ModelConfig
+from kvlab.model.layers import linear, rms_norm, rotate_halves, swiglu
+
+Rope = tuple[np.ndarray, np.ndarray]
+
+
+class Ops(Protocol):
+    """What the layer loop asks of a backend (shapes in the module docstring)."""
+
+    compiled: bool  # whether attention may use the compiled kernels too
+
+    def bind(self, layers: Sequence[Any]) -> list[Any]: ...
+
+    def qkv_rope(self, x: np.ndarray, layer: Any, rope: Rope) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
+
+    def output_mlp(self, x: np.ndarray, o: np.ndarray, layer: Any) -> None: ...
+
+    def norm_linear(self, x: np.ndarray, norm: np.ndarray, w: np.ndarray) -> np.ndarray: ...
+
+
+class _Shapes:
+    """Head counts and the RMSNorm epsilon every Ops class needs."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.heads, self.kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
+                                                    config.head_dim)
+        self.qk_heads = self.heads + self.kv_heads  # the heads RoPE rotates: q's and k's
+        self.all_heads = self.qk_heads + self.kv_heads
+        self.eps = config.rms_norm_eps
+
+    def split(self, qkv: np.ndarray, qk: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """q [N, H_q, d], k [N, H_kv, d] from the rotated heads qk, v [N, H_kv, d] from qkv: views."""
+        return qk[:, :self.heads], qk[:, self.heads:self.qk_heads], qkv[:, self.qk_heads:]
+
+
+class NumpyOps(_Shapes):
+    """The reference: each step is the formula from model/layers.py on whole arrays."""
+
+    compiled = False
+
+    def bind(self, layers: Sequence[Any]) -> list[Any]:
+        return list(layers)
+
+    def _linear(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+        out = linear(x, w)
+        if bias is not None:
+            out += bias
+        return out
+
+    def norm_linear(self, x: np.ndarray, norm: np.ndarray, w: np.ndarray,
+                    bias: np.ndarray | None = None) -> np.ndarray:
+        """rms_norm(x) @ w.T (+ bias): how a block opens its attention and its MLP, and the LM head."""
+        return self._linear(rms_norm(x, norm, self.eps), w, bias)
+
+    def qkv_rope(self, x: np.ndarray, layer: Any, rope: Rope) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        qkv = self.norm_linear(x, layer.input_norm, layer.w_qkv, layer.b_qkv)
+        qkv = qkv.reshape(x.shape[0], self.all_heads, self.head_dim)
+        cos, sin = rope
+        qk = rotate_halves(qkv[:, :self.qk_heads], cos[:, None], sin[:, None])  # one rotation over heads
+        return self.split(qkv, qk)
+
+    def output_mlp(self, x: np.ndarray, o: np.ndarray, layer: Any) -> None:
+        x += self._linear(o, layer.w_o, layer.b_o)
+        gate_up = self.norm_linear(x, layer.post_norm, layer.w_gate_up)
+        inter = gate_up.shape[-1] // 2
+        x += self._linear(swiglu(gate_up[..., :inter], gate_up[..., inter:]), layer.w_down)
+
+
+class KernelLayer(NamedTuple):
+    """A layer as the compiled kernels read it: the model's matrices (for the BLAS path) and their kernel
+    views (half precision as raw bits, kernels/bits.py); an absent bias as None and as an empty array."""
+
+    layer: Any
+    qkv: np.ndarray
+    b_qkv: np.ndarray
+    o: np.ndarray
+    b_o: np.ndarray
+    gate_up: np.ndarray
+    down: np.ndarray
+
+
+class CompiledOps(_Shapes):
+    """The numba kernels: fused block kernels for a few rows, BLAS on widened weights for many."""
+
+    compiled = True
+
+    def __init__(self, config: ModelConfig, dtype: np.dtype) -> None:
+        super().__init__(config)
+        from kvlab.kernels import decode_layer, gemv  # numba loads only for this backend
+
+        self._gemv, self._fused = gemv, decode_layer
+        self.max_fused_rows = gemv.MAX_KERNEL_ROWS  # the gemv kernels' own limit: above it BLAS wins
+        self._empty = np.zeros(0, dtype=dtype)
+        # scalars typed once: a decode step makes two kernel calls per layer, each a few microseconds
+        self._eps, self._zero, self._half = dtype.type(self.eps), dtype.type(0), self.head_dim // 2
+
+    def bind(self, layers: Sequence[Any]) -> list[KernelLayer]:
+        view, empty = self._gemv.as_kernel_array, self._empty
+        return [KernelLayer(layer, view(layer.w_qkv), empty if layer.b_qkv is None else layer.b_qkv,
+                            view(layer.w_o), empty if layer.b_o is None else layer.b_o,
+                            view(layer.w_gate_up), view(layer.w_down)) for layer in layers]
+
+    def norm_linear(self, x: np.ndarray, norm: np.ndarray, w: np.ndarray,
+                    bias: np.ndarray | None = None) -> np.ndarray:
+        return self._gemv.norm_linear(x, norm, self.eps, w, bias)
+
+    def qkv_rope(self, x: np.ndarray, layer: KernelLayer,
+                 rope: Rope) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        rows, cos, sin = x.shape[0], *rope
+        if rows <= self.max_fused_rows:  # norm, product, bias and RoPE in one call
+            qkv = np.empty((rows, self.all_heads, self.head_dim), dtype=x.dtype)
+            self._fused.qkv_rope(x, layer.layer.input_norm, self._eps, layer.qkv, layer.b_qkv,
+                                 cos.reshape(rows, 2, self._half), sin.reshape(rows, 2, self._half),
+                                 self.qk_heads, qkv.reshape(rows, -1), self._zero)
+            return qkv[:, :self.heads], qkv[:, self.heads:self.qk_heads], qkv[:, self.qk_heads:]
+        weights = layer.layer
+        qkv = self.norm_linear(x, weights.input_norm, weights.w_qkv, weights.b_qkv)
+        qkv = qkv.reshape(rows, self.all_heads, self.head_dim)
+        return self.split(qkv, rotate_halves(qkv[:, :self.qk_heads], cos[:, None], sin[:, None]))
+
+    def output_mlp(self, x: np.ndarray, o: np.ndarray, layer: KernelLayer) -> None:
+        weights = layer.layer
+        if x.shape[0] <= self.max_fused_rows:  # the rest of the block in one call
+            self._fused.output_mlp(x, o, layer.o, layer.b_o, weights.post_norm, self._eps, layer.gate_up,
+                                   layer.down, self._zero)
+            return
+        x += self._gemv.linear(o, weights.w_o, weights.b_o)
+        gate_up = self.norm_linear(x, weights.post_norm, weights.w_gate_up)
+        x += self._gemv.swiglu_linear(gate_up, weights.w_down)
+
+
+def make_ops(backend: str, config: ModelConfig, dtype: np.dtype) -> NumpyOps | CompiledOps:
+    """The Ops class of a resolved backend name ("numba" or "numpy", see kernels.resolve_backend)."""
+    return CompiledOps(config, dtype) if backend == "numba" else NumpyOps(config)
