@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from kvlab.config import ModelConfig
+from kvlab.errors import ConfigError
 from kvlab.gguf.loader import gguf_file, load_gguf
 from kvlab.hf import generation_config, loader as hf
 from kvlab.model.llama import LlamaModel
@@ -28,19 +29,49 @@ def load(path: str | Path | None = None, dtype: Any = DEFAULT_COMPUTE_DTYPE, pro
     """`model, tokenizer = kvlab.load(path)`; without a path, the default model shipped with kvlab.
 
     `path` is an HF folder, a .gguf file or a folder holding one. The tokenizer is read first (it is
-    small), so a folder without one fails before the weights load.
+    small), so a folder without one fails before the weights load. `weights_dtype`: see `load_model`.
     """
     if gguf_file(path) is not None:
-        return load_gguf(path, dtype, progress, backend=backend)
+        return load_gguf(path, dtype, progress, backend=backend, weights_dtype=_gguf_weights(weights_dtype, dtype))
+    if _quantize_to(weights_dtype) is not None:
+        return _quantized_at_load(path, dtype, backend, weights_dtype), hf.load_tokenizer(path)
     return hf.load(path, dtype, progress, weights_dtype, backend)
 
 
 def load_model(path: str | Path | None = None, dtype: Any = DEFAULT_COMPUTE_DTYPE, progress: bool | None = None,
                weights_dtype: str = "auto", backend: str | None = None) -> LlamaModel:
-    """The model alone (no tokenizer is read); GGUF files are dequantized into the compute dtype."""
+    """The model alone (no tokenizer is read).
+
+    `weights_dtype`: for an HF folder "auto" keeps float16/bfloat16 matrices as stored, "float32" casts
+    them, and a GGUF block type ("q8_0", "q4_0", ...) quantizes every matrix at load with llama.cpp's
+    encoder; for a GGUF file "stored" keeps every matrix as the file stores it (block types read by the
+    quantized kernels), anything else ("auto" included) dequantizes it into the compute dtype."""
     if gguf_file(path) is not None:
-        return load_gguf(path, dtype, progress, backend=backend)[0]
+        return load_gguf(path, dtype, progress, backend=backend, weights_dtype=_gguf_weights(weights_dtype, dtype))[0]
+    if _quantize_to(weights_dtype) is not None:
+        return _quantized_at_load(path, dtype, backend, weights_dtype)
     return hf.load_model(path, dtype, progress, weights_dtype, backend)
+
+
+def _gguf_weights(weights_dtype: str, dtype: Any) -> str:
+    return "stored" if weights_dtype == "stored" else np.dtype(dtype).name
+
+
+def _quantize_to(weights_dtype: Any) -> str | None:
+    from kvlab.model.quantized import QUANTIZE_TYPES
+
+    return weights_dtype.upper() if isinstance(weights_dtype, str) and weights_dtype.lower() in QUANTIZE_TYPES \
+        else None
+
+
+def _quantized_at_load(path: str | Path | None, dtype: Any, backend: str | None, weights_dtype: str) -> LlamaModel:
+    from kvlab.model.quantized import quantize_weights
+
+    if np.dtype(dtype) != np.float32:
+        raise ConfigError(f"{weights_dtype} weights need float32 compute, not {np.dtype(dtype).name}")
+    config, weights = read_float_weights(path)
+    return LlamaModel(config, weights=quantize_weights(weights, weights_dtype), dtype=np.float32, backend=backend,
+                      source=str(hf.resolve_model_dir(path)), weights_dtype="auto")
 
 
 def model_config(path: str | Path) -> ModelConfig:

@@ -90,3 +90,67 @@ def test_rows_concat_and_fingerprint():
         QuantizedMatrix.concat([matrix, QuantizedMatrix.quantize(weight, "Q8_0")])
     assert matrix.fingerprint_bytes() == QuantizedMatrix.quantize(weight, "Q4_1").fingerprint_bytes()
     assert matrix.fingerprint_bytes() != matrix.take_rows(order).fingerprint_bytes()
+
+
+# --- a model that keeps its weights quantized ---------------------------------------------------------
+def small_gguf(tmp_path, types):
+    from gguf_files import small_config, write_gguf
+
+    path = tmp_path / "m.gguf"
+    k_quants = any(t.endswith("_K") for t in types)  # K-quant rows hold whole blocks of 256
+    config = small_config("llama", max_position_embeddings=64, **(dict(hidden_size=256, intermediate_size=512)
+                                                                  if k_quants else {}))
+    written = write_gguf(path, config, types=types)
+    return path, written
+
+
+@pytest.mark.parametrize("backend", ["numba", "numpy"] if AVAILABLE else ["numpy"])
+@pytest.mark.parametrize("types", [("Q8_0",), ("Q4_0", "Q4_1"), ("Q4_K", "Q6_K", "Q5_0"), ("F16", "Q8_0")])
+def test_a_gguf_kept_as_stored_computes_the_dequantized_models_logits(tmp_path, backend, types):
+    """`weights_dtype="stored"`: matrices stay codes (or half), the Q/K rows are unpermuted as whole rows,
+    q/k/v of different types are stacked, and the logits, a decode through the cache and greedy tokens
+    equal the dequantized model's (the reference) to float32 rounding of the sums."""
+    import kvlab
+
+    path, _ = small_gguf(tmp_path, types)
+    reference, tokenizer = kvlab.load(path, backend="numpy")                   # dequantized to float32
+    model, _ = kvlab.load(path, weights_dtype="stored", backend=backend)
+    assert model.quantized and any(isinstance(layer.w_qkv, QuantizedMatrix) or
+                                   type(layer.w_qkv).__name__ == "RowStack" for layer in model.layers)
+    ids = np.array([tokenizer.encode("The quick brown fox jumps over the lazy dog")[:12]])
+    want = reference.forward(ids).logits
+    scale = float(np.abs(want).max()) + 1
+    assert np.abs(model.forward(ids).logits - want).max() <= 1e-4 * scale
+    cache = model.new_cache(1)
+    steps = [model.forward(ids[:, :5], cache=cache).logits]
+    steps += [model.forward(ids[:, i:i + 1], cache=cache).logits for i in range(5, ids.shape[1])]
+    assert np.abs(np.concatenate(steps, axis=1) - want).max() <= 1e-4 * scale
+    assert np.array_equal(kvlab.generate(model, ids, 12), kvlab.generate(reference, ids, 12))
+    assert model.fingerprint != reference.fingerprint  # a cache of one is refused by the other
+
+
+def test_the_engine_and_verify_run_on_a_quantized_model(tmp_path):
+    import kvlab
+    from kvlab.verify import verify_model
+
+    path, _ = small_gguf(tmp_path, ("Q8_0",))
+    model, tokenizer = kvlab.load(path, weights_dtype="stored")
+    engine = kvlab.Engine(model, tokenizer, block_size=4, num_blocks=64)
+    prompt = tokenizer.encode("The quick brown fox")
+    out = engine.generate([prompt], kvlab.SamplingParams(max_tokens=8))[0]
+    assert out.outputs[0].token_ids == kvlab.generate(model, [prompt], 8)[0].tolist()
+    results = verify_model(model)
+    assert results and all(r.passed for r in results)
+
+
+def test_quantize_at_load_and_bad_weight_choices(tmp_path):
+    import kvlab
+    from kvlab.errors import ConfigError
+
+    model, _ = kvlab.load(weights_dtype="q8_0")
+    assert model.quantized and isinstance(model.embed, QuantizedMatrix) and model.embed.type_name == "Q8_0"
+    path, _ = small_gguf(tmp_path, ("Q8_0",))
+    with pytest.raises(ConfigError, match="need float32 compute"):
+        kvlab.load(path, dtype="float64", weights_dtype="stored")
+    with pytest.raises(ConfigError, match="need float32 compute"):
+        kvlab.load(dtype="float64", weights_dtype="q4_0")

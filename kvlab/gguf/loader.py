@@ -67,21 +67,36 @@ def open_gguf(path: str | Path) -> tuple[GGUFFile, ModelConfig, HFTokenizer, dic
     return gguf, config, tokenizer, plan
 
 
-def read_checkpoint(path: str | Path, dtype: Any = "float32", progress: bool | None = None) -> GGUFCheckpoint:
-    """Config, dequantized weights (HF names and layout) and tokenizer of a GGUF file."""
+def read_checkpoint(path: str | Path, dtype: Any = "float32", progress: bool | None = None,
+                    keep_stored: bool = False) -> GGUFCheckpoint:
+    """Config, weights (HF names and layout; dequantized, or with `keep_stored` as the file stores the
+    matrices) and tokenizer of a GGUF file."""
     dtype = np.dtype(dtype)
     if dtype not in (np.float32, np.float64):
         raise ConfigError(f"compute dtype must be float32 or float64, got {dtype}")
     gguf, config, tokenizer, plan = open_gguf(path)
     with weight_progress(sum(info.nbytes for info in plan.values()), progress) as advance:
-        weights = read_weights(gguf, config, plan, dtype, on_tensor=advance)
+        weights = read_weights(gguf, config, plan, dtype, on_tensor=advance, keep_stored=keep_stored)
     return GGUFCheckpoint(gguf.path, config, weights, tokenizer)
 
 
+WEIGHTS_DTYPES = ("float32", "float64", "stored")
+
+
 def load_gguf(path: str | Path, dtype: Any = "float32", progress: bool | None = None,
-              backend: str | None = None) -> tuple[LlamaModel, HFTokenizer]:
-    """(model, tokenizer) of a GGUF file, computing in float32 (or float64)."""
-    checkpoint = read_checkpoint(path, dtype, progress)
+              backend: str | None = None, weights_dtype: str = "float32") -> tuple[LlamaModel, HFTokenizer]:
+    """(model, tokenizer) of a GGUF file, computing in float32 (or float64).
+
+    weights_dtype "float32" (or the compute dtype's name) dequantizes every tensor: the reference; "stored"
+    keeps each matrix as the file stores it (F16/BF16 half, block types as codes read by the quantized
+    kernels: a Q4 file's decode step reads ~0.75 bytes a weight instead of 4), with float32 compute."""
+    if weights_dtype not in WEIGHTS_DTYPES:
+        raise ConfigError(f"weights_dtype for a GGUF file must be one of {', '.join(WEIGHTS_DTYPES)}, "
+                          f"got {weights_dtype!r}")
+    keep = weights_dtype == "stored"
+    if keep and np.dtype(dtype) != np.float32:
+        raise ConfigError(f"weights kept as stored need float32 compute, not {np.dtype(dtype).name}")
+    checkpoint = read_checkpoint(path, dtype, progress, keep_stored=keep)
     model = LlamaModel(checkpoint.config, weights=checkpoint.weights, dtype=dtype, source=str(checkpoint.path),
-                       backend=backend)
+                       backend=backend, weights_dtype="auto" if keep else None)
     return model, checkpoint.tokenizer

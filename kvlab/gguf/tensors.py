@@ -17,11 +17,13 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
+import ml_dtypes
 import numpy as np
 
 from kvlab.config import ModelConfig
 from kvlab.errors import CheckpointError
 from kvlab.gguf.reader import GGUFFile, TensorInfo
+from kvlab.model.quantized import QuantizedMatrix
 from kvlab.model.weights import check_weights
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
@@ -94,18 +96,36 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return grouped.swapaxes(1, 2).reshape(weight.shape)
 
 
+def as_stored(gguf: GGUFFile, info: TensorInfo, dtype: np.dtype) -> np.ndarray | QuantizedMatrix:
+    """A matrix as the file stores it: F16/BF16 kept half (the compiled kernels widen in registers), block
+    types as a QuantizedMatrix (codes, scales, offsets: unpacked once, model/ggml_quants.py); F32 and 1-D
+    tensors in `dtype`."""
+    if len(info.shape) != 2 or info.type_name == "F32":
+        return dequantize(gguf, info, dtype)
+    raw = gguf.raw(info.name)
+    if info.type_name in ("F16", "BF16"):
+        half = np.dtype("<f2") if info.type_name == "F16" else np.dtype(ml_dtypes.bfloat16)
+        return np.array(raw.view(half).reshape(info.shape))
+    return QuantizedMatrix.from_blocks(info.type_name, raw, info.shape)
+
+
 def read_weights(gguf: GGUFFile, config: ModelConfig, plan: dict[str, TensorInfo], dtype: Any,
-                 on_tensor: Callable[[int], None] | None = None) -> dict[str, np.ndarray]:
-    """Every planned tensor dequantized into `dtype`, with Llama's Q/K rows back in HF order."""
+                 on_tensor: Callable[[int], None] | None = None,
+                 keep_stored: bool = False) -> dict[str, np.ndarray | QuantizedMatrix]:
+    """Every planned tensor dequantized into `dtype` (or, with `keep_stored`, matrices as the file stores
+    them: see `as_stored`), with Llama's Q/K rows back in HF order."""
     dtype = np.dtype(dtype)
     permuted = gguf.get("general.architecture") in PERMUTED_ARCHITECTURES
-    weights: dict[str, np.ndarray] = {}
+    weights: dict[str, np.ndarray | QuantizedMatrix] = {}
     for name, info in plan.items():
-        array = dequantize(gguf, info, dtype)
-        if permuted and ".self_attn.q_proj." in name:
-            array = unpermute_rows(array, config.num_attention_heads)
-        elif permuted and ".self_attn.k_proj." in name:
-            array = unpermute_rows(array, config.num_key_value_heads)
+        array = as_stored(gguf, info, dtype) if keep_stored else dequantize(gguf, info, dtype)
+        heads = config.num_attention_heads if ".self_attn.q_proj." in name else \
+            config.num_key_value_heads if ".self_attn.k_proj." in name else None
+        if permuted and heads is not None:
+            if isinstance(array, QuantizedMatrix):  # whole rows move: the blocks of a row stay together
+                array = array.take_rows(unpermute_rows(np.arange(array.shape[0]), heads))
+            else:
+                array = unpermute_rows(array, heads)
         weights[name] = array
         if on_tensor is not None:
             on_tensor(info.nbytes)

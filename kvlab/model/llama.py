@@ -41,6 +41,7 @@ from kvlab.model.attention import Attention, ContiguousAttention, ObservedAttent
 from kvlab.model.batch import BatchInput
 from kvlab.model.layers import rope_inv_freq
 from kvlab.model.ops import Rope, make_ops
+from kvlab.model.quantized import QuantizedMatrix, stack_rows
 from kvlab.model.weights import check_weights, fingerprint, random_weights, resolve_weights_dtype
 
 
@@ -104,7 +105,6 @@ class LlamaModel:
         self.weights_dtype_request = weights_dtype
         self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, self.dtype)
         self._cos = self._sin = np.zeros((0, config.head_dim), dtype=self.dtype)
-        self.ops = make_ops(self.backend, config, self.dtype)  # the math, chosen once (model/ops.py)
         self.set_weights(weights if weights is not None else random_weights(config, seed, self.dtype), source)
 
     # --- weights -----------------------------------------------------------------------------------------
@@ -114,14 +114,19 @@ class LlamaModel:
         used = {name: array for name, array in weights.items() if not name.endswith("inv_freq")}
         if self.config.tie_word_embeddings:
             used.pop("lm_head.weight", None)
-        self.weights_dtype = resolve_weights_dtype(self.weights_dtype_request, self.dtype, used, source)
-        cast = {name: np.ascontiguousarray(array, dtype=self.weights_dtype if array.ndim == 2 else self.dtype)
+        quantized = {name for name, array in used.items() if isinstance(array, QuantizedMatrix)}
+        floats = {name: array for name, array in used.items() if name not in quantized}
+        self.weights_dtype = resolve_weights_dtype(self.weights_dtype_request, self.dtype, floats, source)
+        cast = {name: array if name in quantized else
+                np.ascontiguousarray(array, dtype=self.weights_dtype if array.ndim == 2 else self.dtype)
                 for name, array in used.items()}
         self._fingerprint = fingerprint(self.config, self.dtype, cast)
         self.embed = cast["model.embed_tokens.weight"]
         self.norm = cast["model.norm.weight"]
         self.lm_head = self.embed if self.config.tie_word_embeddings else cast["lm_head.weight"]  # [vocab, hidden]
-        self.layers = self._fuse_layers(cast)
+        self.quantized = bool(quantized)  # GGUF blocks kept as stored: the quantized Ops (model/ops.py)
+        self.ops = make_ops(self.backend, self.config, self.dtype, self.quantized)  # the math (model/ops.py)
+        self.layers = self._quantized_layers(cast) if quantized else self._fuse_layers(cast)
         self._bound_layers = self.ops.bind(self.layers)  # the layers as the Ops class reads them
 
     def _fuse_layers(self, cast: Mapping[str, np.ndarray]) -> list[Layer]:
@@ -167,6 +172,24 @@ class LlamaModel:
                 b_qkv=np.concatenate([cast[f"{attn}{x}_proj.bias"] for x in "qkv"]) if has_bias else None,
                 w_o=w_o, b_o=cast.get(attn + "o_proj.bias"), post_norm=cast[p + "post_attention_layernorm.weight"],
                 w_gate_up=w_gate_up, w_down=w_down))
+        return layers
+
+    def _quantized_layers(self, cast: Mapping[str, Any]) -> list[Layer]:
+        """Per-layer matrices of a quantized model: q/k/v and gate/up stacked by rows as they are stored
+        (one QuantizedMatrix when their types agree, else a RowStack); no float copy is made."""
+        layers = []
+        for i in range(self.config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            attn, mlp = p + "self_attn.", p + "mlp."
+            has_bias = cast.get(attn + "q_proj.bias") is not None
+            layers.append(Layer(
+                input_norm=cast[p + "input_layernorm.weight"],
+                w_qkv=stack_rows([cast[f"{attn}{x}_proj.weight"] for x in "qkv"]),
+                b_qkv=np.concatenate([cast[f"{attn}{x}_proj.bias"] for x in "qkv"]) if has_bias else None,
+                w_o=cast[attn + "o_proj.weight"], b_o=cast.get(attn + "o_proj.bias"),
+                post_norm=cast[p + "post_attention_layernorm.weight"],
+                w_gate_up=stack_rows([cast[mlp + "gate_proj.weight"], cast[mlp + "up_proj.weight"]]),
+                w_down=cast[mlp + "down_proj.weight"]))
         return layers
 
     @property
@@ -280,6 +303,8 @@ class LlamaModel:
     # --- the two ends of a forward -------------------------------------------------------------------------
     def embed_tokens(self, ids: np.ndarray) -> np.ndarray:
         """The residual stream of `ids`: a fresh array in the compute dtype, which blocks update in place."""
+        if isinstance(self.embed, QuantizedMatrix):  # a quantized table: dequantize just these rows
+            return self.embed.take_rows(ids).dequantize(self.dtype)
         return self.embed[ids].astype(self.dtype, copy=False)
 
     def final_logits(self, x: np.ndarray) -> np.ndarray:

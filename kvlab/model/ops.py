@@ -29,6 +29,7 @@ import numpy as np
 
 from kvlab.config import ModelConfig
 from kvlab.model.layers import linear, rms_norm, rotate_halves, swiglu
+from kvlab.model.quantized import QuantizedLinear
 
 Rope = tuple[np.ndarray, np.ndarray]
 
@@ -71,7 +72,8 @@ class NumpyOps(_Shapes):
         return list(layers)
 
     def _linear(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-        out = linear(x, w)
+        # a quantized weight: tiles of its dequantized rows (the file's exact values) times x
+        out = w.matmul_t(x, compiled=False) if isinstance(w, QuantizedLinear) else linear(x, w)
         if bias is not None:
             out += bias
         return out
@@ -158,6 +160,42 @@ class CompiledOps(_Shapes):
         x += self._gemv.swiglu_linear(gate_up, weights.w_down)
 
 
-def make_ops(backend: str, config: ModelConfig, dtype: np.dtype) -> NumpyOps | CompiledOps:
-    """The Ops class of a resolved backend name ("numba" or "numpy", see kernels.resolve_backend)."""
-    return CompiledOps(config, dtype) if backend == "numba" else NumpyOps(config)
+class QuantizedOps(CompiledOps):
+    """Compiled products over quantized weights (GGUF blocks as codes, scales and offsets, model/quantized.py).
+
+    The products read the codes (kernels/qgemv.py; more than MAX_KERNEL_ROWS rows: dequantized tiles and
+    BLAS); RMSNorm is the compiled one, RoPE and SwiGLU are NumPy's, between the products. The fused
+    block kernels of CompiledOps take float matrices only, so a quantized layer is not fused (yet)."""
+
+    def bind(self, layers: Sequence[Any]) -> list[Any]:
+        return list(layers)
+
+    def _linear(self, x: np.ndarray, w: Any, bias: np.ndarray | None = None) -> np.ndarray:
+        out = w.matmul_t(x) if isinstance(w, QuantizedLinear) else self._gemv.linear(x, w)
+        if bias is not None:
+            out += bias
+        return out
+
+    def norm_linear(self, x: np.ndarray, norm: np.ndarray, w: Any,
+                    bias: np.ndarray | None = None) -> np.ndarray:
+        return self._linear(self._gemv.rms_norm(x, norm, self.eps), w, bias)
+
+    def qkv_rope(self, x: np.ndarray, layer: Any, rope: Rope) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        qkv = self.norm_linear(x, layer.input_norm, layer.w_qkv, layer.b_qkv)
+        qkv = qkv.reshape(x.shape[0], self.all_heads, self.head_dim)
+        cos, sin = rope
+        return self.split(qkv, rotate_halves(qkv[:, :self.qk_heads], cos[:, None], sin[:, None]))
+
+    def output_mlp(self, x: np.ndarray, o: np.ndarray, layer: Any) -> None:
+        x += self._linear(o, layer.w_o, layer.b_o)
+        gate_up = self.norm_linear(x, layer.post_norm, layer.w_gate_up)
+        inter = gate_up.shape[-1] // 2
+        x += self._linear(swiglu(gate_up[..., :inter], gate_up[..., inter:]), layer.w_down)
+
+
+def make_ops(backend: str, config: ModelConfig, dtype: np.dtype, quantized: bool = False) -> NumpyOps | CompiledOps:
+    """The Ops class of a resolved backend name ("numba" or "numpy", see kernels.resolve_backend) for the
+    model's weights: float (any float dtype) or `quantized` (GGUF block types kept as stored)."""
+    if backend != "numba":
+        return NumpyOps(config)
+    return QuantizedOps(config, dtype) if quantized else CompiledOps(config, dtype)

@@ -161,3 +161,31 @@ def quantize_weights(weights: Mapping[str, np.ndarray], type_name: str,
 def dequantized(weights: Mapping[str, np.ndarray | QuantizedMatrix]) -> dict[str, np.ndarray]:
     """Quantized matrices as float32 arrays of their exact values (for a float model of the same weights)."""
     return {name: w.dequantize() if isinstance(w, QuantizedMatrix) else w for name, w in weights.items()}
+
+
+class RowStack:
+    """Matrices stacked by rows that cannot become one QuantizedMatrix (types differ: Q4_K_M files keep
+    v_proj in Q6_K beside Q4_K q/k): `matmul_t` runs each part and joins the outputs."""
+
+    ndim = 2
+
+    def __init__(self, parts: Sequence[np.ndarray | QuantizedMatrix]) -> None:
+        self.parts = list(parts)
+        self.shape = (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def matmul_t(self, x: np.ndarray, compiled: bool = True) -> np.ndarray:
+        outs = [p.matmul_t(x, compiled) if isinstance(p, QuantizedMatrix)
+                else np.asarray(x @ p.T.astype(x.dtype, copy=False)) for p in self.parts]
+        return np.concatenate(outs, axis=-1)
+
+
+QuantizedLinear = (QuantizedMatrix, RowStack)
+
+
+def stack_rows(parts: Sequence[np.ndarray | QuantizedMatrix]) -> QuantizedMatrix | RowStack:
+    """Row-stacked matrices (q/k/v, gate/up) where at least one is quantized: one matrix when they agree."""
+    return QuantizedMatrix.concat(parts) if QuantizedMatrix.can_concat(parts) else RowStack(parts)

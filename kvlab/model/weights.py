@@ -16,6 +16,7 @@ import numpy as np
 from kvlab import validate
 from kvlab.config import ModelConfig
 from kvlab.errors import CheckpointError
+from kvlab.model.quantized import QuantizedMatrix
 
 # Tensors some checkpoints carry that the forward pass does not use.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -75,6 +76,13 @@ def check_weights(config: ModelConfig, weights: Mapping[str, np.ndarray], source
         if tuple(array.shape) != want:
             raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(array.shape)} but the config "
                                   f"implies {want}")
+        if isinstance(array, QuantizedMatrix):  # GGUF blocks kept as stored: the scales must be finite
+            bad = first_non_finite(array.scales) or (None if array.offsets is None
+                                                     else first_non_finite(array.offsets))
+            if bad is not None:
+                raise CheckpointError(f"{source}: tensor {name!r} ({array.type_name}) has a scale {bad[1]}: "
+                                      "weights must be finite")
+            continue
         if getattr(array, "dtype", None) is None or array.dtype.kind not in "fV":  # V: bfloat16
             raise CheckpointError(f"{source}: tensor {name!r} must be a float array, got "
                                   f"{getattr(array, 'dtype', type(array).__name__)}")
@@ -168,6 +176,10 @@ def fingerprint(config: ModelConfig, dtype: np.dtype, weights: Mapping[str, np.n
     digest.update(json.dumps(config.to_dict(), sort_keys=True, default=str).encode())
     digest.update(np.dtype(dtype).name.encode())
     for name in sorted(weights):
+        if isinstance(weights[name], QuantizedMatrix):
+            digest.update(f"{name}|{weights[name].type_name}|{weights[name].shape}".encode())
+            digest.update(weights[name].fingerprint_bytes())
+            continue
         array = np.ascontiguousarray(weights[name])
         digest.update(f"{name}|{array.dtype.name}|{array.shape}".encode())
         digest.update(array.reshape(-1).view(np.uint8))  # bytes of any dtype (bfloat16 has no buffer format)

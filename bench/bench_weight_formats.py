@@ -1,0 +1,135 @@
+"""Decode and prefill with the weights as stored: float32, bfloat16, and GGUF block types (Q8_0, Q4_0, ...).
+
+A random model of SmolLM2-135M's shape (hidden 576, 30 layers, 9/3 heads, vocab 49152, tied embeddings)
+in float32; each format is that model's weights converted (bfloat16 rounded; block types quantized with
+llama.cpp's encoder, kept as codes/scales/offsets and read by kernels/qgemv.py). All formats run side by
+side in one process, alternating round by round, 2 threads:
+
+  * decode ms/token at a 128-token context (median step of the best round) and tokens/s;
+  * the roofline: the bytes a step reads (weights as kvlab keeps them + the K/V at that context) over the
+    streaming-read bandwidth measured in the same run (a parallel sum over 512 MiB);
+  * prefill of 128 tokens;
+  * logits error against the float32 model of the same (dequantized) values: the kernels' summation order.
+
+    python bench/bench_weight_formats.py [--formats float32 bfloat16 q8_0 q4_0 q4_1] [--steps 16] [--repeats 3]
+
+llama.cpp on the same files is not run here yet (the issue's bench); llama-cpp-python builds from source in
+~15 minutes on two cores (`pip install -e '.[bench]'`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("NUMBA_NUM_THREADS", "2")
+
+import numpy as np  # noqa: E402
+
+from kvlab import LlamaModel  # noqa: E402
+from kvlab.config import ModelConfig  # noqa: E402
+from kvlab.model.quantized import QuantizedMatrix, RowStack, dequantized, quantize_weights  # noqa: E402
+from kvlab.model.weights import random_weights  # noqa: E402
+
+SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+             num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
+             rope_theta=100000.0, max_position_embeddings=8192, rms_norm_eps=1e-5)
+
+
+def measure_bandwidth(repeats: int = 5) -> float:
+    """Streaming-read bandwidth (bytes/s): a parallel sum over 512 MiB of float32."""
+    from numba import njit, prange
+
+    @njit(parallel=True, fastmath=True, cache=True)
+    def total(a):
+        s = np.float32(0.0)
+        for i in prange(a.shape[0]):
+            s += a[i]
+        return s
+
+    data = np.ones(128 * 1024 * 1024, dtype=np.float32)
+    total(data)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        total(data)
+        best = min(best, time.perf_counter() - start)
+    return data.nbytes / best
+
+
+def step_bytes(model: LlamaModel, context: int) -> int:
+    """Bytes a decode step reads: every block matrix and the LM head as kept, plus the K/V at `context`."""
+    def size(w) -> int:
+        return w.nbytes if isinstance(w, (QuantizedMatrix, RowStack)) else np.asarray(w).nbytes
+    c = model.config
+    weights = sum(size(layer.w_qkv) + size(layer.w_o) + size(layer.w_gate_up) + size(layer.w_down)
+                  for layer in model.layers) + size(model.lm_head)
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * context * 4
+    return weights + kv
+
+
+def decode_ms(model: LlamaModel, prompt: np.ndarray, steps: int) -> tuple[float, float]:
+    """(median decode ms/step, prefill ms) after a prefill of `prompt`."""
+    cache = model.new_cache(1, capacity=prompt.shape[1] + steps + 1)
+    start = time.perf_counter()
+    model.forward(prompt, cache=cache, logits_to_keep=1)
+    prefill = time.perf_counter() - start
+    token = np.array([[1]])
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        model.forward(token, cache=cache)
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times), 1e3 * prefill
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--formats", nargs="+", default=["float32", "bfloat16", "q8_0", "q4_1", "q4_0"])
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--context", type=int, default=128)
+    args = p.parse_args()
+    config = ModelConfig(**SHAPE)
+    weights = random_weights(config, 0, np.float32)
+    models = {}
+    for name in args.formats:
+        if name == "float32":
+            models[name] = LlamaModel(config, weights, dtype=np.float32)
+        elif name == "bfloat16":
+            models[name] = LlamaModel(config, weights, dtype=np.float32, weights_dtype="bfloat16")
+        else:
+            models[name] = LlamaModel(config, quantize_weights(weights, name), dtype=np.float32)
+    prompt = np.random.default_rng(0).integers(0, config.vocab_size, size=(1, args.context))
+    check = prompt[:, :16]
+    errors = {}
+    for name, model in models.items():  # warm up (compile) and check against the same values in float32
+        values = LlamaModel(config, dequantized(quantize_weights(weights, name)), dtype=np.float32) \
+            if name not in ("float32", "bfloat16") else None
+        got = model.forward(check).logits
+        want = values.forward(check).logits if values is not None else got
+        errors[name] = float(np.abs(got - want).max()) / (float(np.abs(want).max()) + 1)
+        decode_ms(model, prompt[:, :4], 2)
+    best = {name: (float("inf"), float("inf")) for name in models}
+    bandwidth = 0.0
+    for _ in range(args.repeats):
+        bandwidth = max(bandwidth, measure_bandwidth(3))
+        for name, model in models.items():
+            ms, pre = decode_ms(model, prompt, args.steps)
+            best[name] = (min(best[name][0], ms), min(best[name][1], pre))
+    print(f"streaming read {bandwidth / 1e9:.1f} GB/s; context {args.context}; 2 threads")
+    print(f"{'weights':<10}{'MB/step':>9}{'decode ms':>11}{'tok/s':>8}{'x roofline':>12}{'vs f32':>8}"
+          f"{'prefill ms':>12}{'err/scale':>11}")
+    f32 = best.get("float32", (None,))[0]
+    for name, model in models.items():
+        ms, pre = best[name]
+        read = step_bytes(model, args.context)
+        roof = 1e3 * read / bandwidth
+        print(f"{name:<10}{read / 1e6:>9.1f}{ms:>11.2f}{1e3 / ms:>8.1f}{ms / roof:>11.2f}x"
+              f"{(f32 / ms if f32 else float('nan')):>7.2f}x{pre:>12.1f}{errors[name]:>11.1e}")
+
+
+if __name__ == "__main__":
+    main()
