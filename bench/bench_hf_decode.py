@@ -73,6 +73,7 @@ from kvlab.hf import load_model  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama_cpp_peer  # noqa: E402
+from roofline import measure_bandwidth  # noqa: E402 (bench/roofline.py)
 
 
 def make_checkpoints(f32: Path, bf16: Path) -> None:
@@ -98,27 +99,6 @@ def make_checkpoints(f32: Path, bf16: Path) -> None:
                 p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
     model.save_pretrained(f32)
     model.to(torch.bfloat16).save_pretrained(bf16)
-
-
-def measure_bandwidth(repeats: int = 5) -> float:
-    """Streaming-read bandwidth (bytes/s): a parallel sum over 512 MiB of float32, on the kernels' threads."""
-    from numba import njit, prange
-
-    @njit(parallel=True, fastmath=True, cache=True)
-    def total(a):
-        s = np.float32(0.0)
-        for i in prange(a.shape[0]):
-            s += a[i]
-        return s
-
-    data = np.ones(128 * 1024 * 1024, dtype=np.float32)
-    total(data)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        total(data)
-        best = min(best, time.perf_counter() - start)
-    return data.nbytes / best
 
 
 def matrix_params(model) -> int:

@@ -32,31 +32,11 @@ from kvlab import LlamaModel  # noqa: E402
 from kvlab.config import ModelConfig  # noqa: E402
 from kvlab.model.quantized import QuantizedMatrix, RowStack, dequantized, quantize_weights  # noqa: E402
 from kvlab.model.weights import random_weights  # noqa: E402
+from roofline import measure_bandwidth  # noqa: E402 (bench/roofline.py)
 
 SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
              num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
              rope_theta=100000.0, max_position_embeddings=8192, rms_norm_eps=1e-5)
-
-
-def measure_bandwidth(repeats: int = 5) -> float:
-    """Streaming-read bandwidth (bytes/s): a parallel sum over 512 MiB of float32."""
-    from numba import njit, prange
-
-    @njit(parallel=True, fastmath=True, cache=True)
-    def total(a):
-        s = np.float32(0.0)
-        for i in prange(a.shape[0]):
-            s += a[i]
-        return s
-
-    data = np.ones(128 * 1024 * 1024, dtype=np.float32)
-    total(data)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        total(data)
-        best = min(best, time.perf_counter() - start)
-    return data.nbytes / best
 
 
 def step_bytes(model: LlamaModel, context: int) -> int:
