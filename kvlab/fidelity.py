@@ -85,6 +85,18 @@ def _read_window(model: LlamaModel, window: np.ndarray, choice: CacheChoice) -> 
                 fed - cache.get_seq_length())
 
 
+def _score(totals: dict, exact: np.ndarray, logp: np.ndarray, targets: np.ndarray,
+           p_exact: np.ndarray | None = None) -> None:
+    """Add one window's KL(exact || this) (sum and max), top-1 agreements and NLL of `targets` to `totals`
+    (log-probabilities [positions, vocab]; `p_exact` = exp(exact) when the caller already has it)."""
+    p_exact = np.exp(exact) if p_exact is None else p_exact
+    kl = np.maximum((p_exact * (exact - logp)).sum(axis=-1), 0.0)
+    totals["kl"] += float(kl.sum())
+    totals["kl_max"] = max(totals["kl_max"], float(kl.max()))
+    totals["agree"] += int((logp.argmax(-1) == exact.argmax(-1)).sum())
+    totals["nll"] -= float(logp[np.arange(targets.size), targets].sum())
+
+
 def measure_fidelity(model: LlamaModel, token_ids: Sequence[int], bos_token_id: int,
                      choices: Sequence[str] = DEFAULT_CHOICES, context: int | None = None,
                      progress: Callable[[str], None] | None = None) -> list[FidelityRow]:
@@ -116,12 +128,8 @@ def measure_fidelity(model: LlamaModel, token_ids: Sequence[int], bos_token_id: 
                 progress(f"window {number + 1} ({e}/{len(ids)} tokens): {choice.name}")
             run = _read_window(model, window, choice)
             logp = run.logp[scored]
-            kl = np.maximum((p_exact * (exact - logp)).sum(axis=-1), 0.0)
             t = totals[choice.name]
-            t["kl"] += float(kl.sum())
-            t["kl_max"] = max(t["kl_max"], float(kl.max()))
-            t["agree"] += int((logp.argmax(-1) == exact.argmax(-1)).sum())
-            t["nll"] -= float(logp[np.arange(targets.size), targets].sum())
+            _score(t, exact, logp, targets, p_exact)
             t["seconds"] += run.seconds
             t["evicted"] += run.evicted
             if run.peak_tokens > t["peak_tokens"]:
@@ -192,22 +200,18 @@ def weight_fidelity(config, weights: Mapping[str, np.ndarray], token_ids: Sequen
         if progress:
             progress(f"weights {name}")
         model = reference if name == "float32" else LlamaModel(config, dequantized(variant), dtype=np.float32)
-        kl_total = kl_max = nll = 0.0
-        agree = count = 0
+        t = dict(kl=0.0, kl_max=0.0, agree=0, nll=0.0)
+        count = 0
         for (b, i, e), exact in zip(spans, exact_logp):
             window = np.concatenate([[bos_token_id], ids[b:e - 1]])[None]
             logp = log_softmax(model.forward(window).logits[0])[i - b:]
             targets = ids[i:e]
-            kl = np.maximum((np.exp(exact) * (exact - logp)).sum(axis=-1), 0.0)
-            kl_total += float(kl.sum())
-            kl_max = max(kl_max, float(kl.max()))
-            agree += int((logp.argmax(-1) == exact.argmax(-1)).sum())
-            nll -= float(logp[np.arange(targets.size), targets].sum())
+            _score(t, exact, logp, targets)
             count += targets.size
         file_bpw, resident_bpw = _matrix_bytes(variant)
-        ppl = math.exp(nll / count)
-        rows.append(WeightFidelityRow(name=name, tokens=count, kl_mean=kl_total / count, kl_max=kl_max,
-                                      top1_agreement=agree / count, perplexity=ppl,
+        ppl = math.exp(t["nll"] / count)
+        rows.append(WeightFidelityRow(name=name, tokens=count, kl_mean=t["kl"] / count, kl_max=t["kl_max"],
+                                      top1_agreement=t["agree"] / count, perplexity=ppl,
                                       perplexity_change=ppl / rows[0].perplexity - 1 if rows else 0.0,
                                       file_bytes_per_weight=file_bpw, resident_bytes_per_weight=resident_bpw))
     return rows

@@ -25,6 +25,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, name: str, log: Any) -> bool:
+    """Poll `url`/health until it answers 200 (True) or `timeout_s` passes (False); RuntimeError with the
+    process's `log()` if it exits first. A start-up wait, bounded: no assertion races it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{log()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
 class ServerProcess:
     """`kvlab serve ARGS` on 127.0.0.1; `stop()` ends exactly the process this started."""
 
@@ -41,18 +57,9 @@ class ServerProcess:
         self._wait_healthy()
 
     def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvlab serve exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"kvlab serve did not become healthy in {START_TIMEOUT_S} s:\n{self.log()}")
+        if not wait_healthy(self.url, self.proc, START_TIMEOUT_S, "kvlab serve", self.log):
+            self.stop()
+            raise RuntimeError(f"kvlab serve did not become healthy in {START_TIMEOUT_S} s:\n{self.log()}")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]

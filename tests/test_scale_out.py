@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from serve_helpers import ROOT, ServerProcess, clean_exit, free_port
+from serve_helpers import ROOT, ServerProcess, clean_exit, free_port, wait_healthy
 from valkey_helpers import ValkeyProcess
 
 TEXT = (ROOT / "kvlab/models/shakespeare/validation.txt").read_text()[2000:2560]
@@ -122,18 +122,9 @@ class Router:
                 cmd += ["--kv-event-source", f"{server.url}={endpoint}"]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        import httpx
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log()
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise AssertionError(f"vllm-router did not start:\n{self.log()}")
+        if not wait_healthy(self.url, self.proc, WAIT_S, "vllm-router", self.log):
+            self.stop()
+            raise AssertionError(f"vllm-router did not start:\n{self.log()}")
 
     def log(self) -> str:
         return ANSI.sub("", self.log_path.read_text(errors="replace"))
