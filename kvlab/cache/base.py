@@ -70,6 +70,11 @@ class Cache(Protocol):
     def in_place(self) -> bool:
         """True when kernels may read the rows where they lie (`append`); False: read through `update`."""
 
+    @property
+    def quantized(self) -> bool:
+        """True when rows are codes (int8/int4/fp8): `append` then returns StoredCodes, which only the
+        decode kernels read; a prefill attends to `update`'s dequantized copies."""
+
     def check_compatible(self, spec: CacheSpec, batch_size: int) -> None:
         """Raise CacheMismatchError if this cache was not produced by `spec` at this batch size."""
 

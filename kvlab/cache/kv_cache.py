@@ -123,15 +123,16 @@ class KVCache:
 
     @property
     def in_place(self) -> bool:
-        """True when kernels may read rows where they lie (`append`): a plain float store. Quantized and
-        paged stores return decoded or gathered copies, so they are read through `update`."""
-        return hasattr(self.store, "storage")
+        """True when kernels may read rows where they lie (`append`): a float store, or a quantized one
+        whose codes the decode kernels read as stored (`store.in_place`: keys grouped per token, none
+        waiting for a rotation). Other stores return decoded or gathered copies, read through `update`."""
+        return hasattr(self.store, "storage") and getattr(self.store, "in_place", True)
 
     def append(self, layer: int, keys: np.ndarray, values: np.ndarray,
                positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """`update` for kernels that read the cache where it lies: write the new rows and return the layer's
         storage arrays [B, H_kv, capacity, d] in the cache dtype (rows before num_cached_tokens + new are
-        valid), with no upcast of a float16/bfloat16 cache."""
+        valid), with no upcast of a float16/bfloat16 cache; a quantized store's StoredCodes."""
         self._write(layer, keys, values, positions)
         return self.store.storage(layer)
 

@@ -29,6 +29,18 @@ from kvlab.cache.contiguous import MIN_CAPACITY
 from kvlab.cache.quant import (FP8_DTYPES, SCALE_DTYPE, QuantFormat, decode_rows, dequantize_int,
                                encode_rows, pack_int4, quantize_int, unpack_int4)
 from kvlab.errors import InputError
+from kvlab.kernels import resolve_backend
+from kvlab.kernels.attention_formats import StoredCodes, kind_of
+
+
+def _codes_writer() -> Callable[[StoredCodes, np.ndarray, np.ndarray, np.ndarray], None] | None:
+    """The compiled writer (kernels/attention_encode.py: the codec's arithmetic bit for bit, one call per
+    write) where the compiled backend is in use; None: the NumPy codec."""
+    if resolve_backend() != "numba":
+        return None
+    from kvlab.kernels.attention_encode import write_codes
+
+    return write_codes
 
 
 class _TokenCodes:
@@ -48,10 +60,15 @@ class _TokenCodes:
         # when the row is read (see keep_rows): keys only, and only after an eviction policy moved them.
         self.moved = np.zeros(capacity, np.int32)
         self.rotate: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None
+        self.writer = _codes_writer()
 
     @property
     def capacity(self) -> int:
         return self.codes.shape[2]
+
+    def stored(self) -> StoredCodes:
+        """The codes and scales as the decode kernels read them in place (a batch row is a block)."""
+        return StoredCodes(self.codes, self.scale, self.zero, kind_of(self.fmt.name), self.group)
 
     def arrays(self) -> tuple[np.ndarray, ...]:
         return self.codes, self.scale, self.zero
@@ -69,11 +86,16 @@ class _TokenCodes:
 
     def write(self, start: int, x: np.ndarray) -> None:
         end = start + x.shape[2]
+        self.moved[start:end] = 0
+        if self.writer is not None:  # rows of batch row b at positions start.. are rows of "block" b
+            batch, _, num, _ = x.shape
+            self.writer(self.stored(), np.repeat(np.arange(batch), num), np.tile(np.arange(start, end), batch),
+                        x.transpose(0, 2, 1, 3).reshape(batch * num, *x.shape[1:2], x.shape[3]))
+            return
         codes, scale, zero = encode_rows(x, self.fmt, self.group)
         self.codes[:, :, start:end] = codes
         if scale is not None:
             self.scale[:, :, start:end], self.zero[:, :, start:end] = scale, zero
-        self.moved[start:end] = 0
 
     def read(self, length: int) -> np.ndarray:
         out = decode_rows(self.codes[:, :, :length], self.scale[:, :, :length], self.zero[:, :, :length],
@@ -225,6 +247,16 @@ class QuantizedStore:
     def read(self, layer: int, length: int) -> tuple[np.ndarray, np.ndarray]:
         return self._keys[layer].read(length), self._values[layer].read(length)
 
+    @property
+    def in_place(self) -> bool:
+        """Whether the decode kernels may read the codes where they lie (`storage`): keys grouped per
+        token, none waiting for a rotation (keep_rows; every layer moves alike, so layer 0 tells)."""
+        return self.can_keep_rows and not (self._keys and self._keys[0].moved.any())
+
+    def storage(self, layer: int) -> tuple[StoredCodes, StoredCodes]:
+        """The layer's codes and scales [B, H_kv, capacity, ..] for the kernels (only when `in_place`)."""
+        return self._keys[layer].stored(), self._values[layer].stored()
+
     def copy(self, length: int) -> "QuantizedStore":
         clone = QuantizedStore(0, *self.shape, self.fmt, self.dtype)
         capacity = max(length, MIN_CAPACITY)
@@ -285,6 +317,11 @@ class QuantizedBlocks:
         groups = 0 if fmt.is_float else head_dim // self.group
         self.scale = np.zeros(self.shape[:3] + (groups,), SCALE_DTYPE)
         self.zero = np.zeros_like(self.scale)
+        self.writer = _codes_writer()
+
+    def stored(self) -> StoredCodes:
+        """The codes and scales as the decode kernels read them in place."""
+        return StoredCodes(self.codes, self.scale, self.zero, kind_of(self.fmt.name), self.group)
 
     @property
     def nbytes(self) -> int:
@@ -292,6 +329,9 @@ class QuantizedBlocks:
 
     def write(self, blocks: np.ndarray, rows: np.ndarray, x: np.ndarray) -> None:
         """Store rows x [N, H_kv, d] at (blocks[i], rows[i])."""
+        if self.writer is not None:
+            self.writer(self.stored(), blocks, rows, x)
+            return
         codes, scale, zero = encode_rows(x, self.fmt, self.group)
         self.codes[blocks, :, rows] = codes
         if scale is not None:

@@ -1,18 +1,27 @@
-"""Decode attention that reads the K/V cache where it lies: paged blocks, or contiguous rows.
+"""Decode attention that reads the K/V cache where it lies: paged blocks or contiguous rows, float or codes.
 
-One new query per sequence attends to its cached keys and values. The cache may be float32, float16 or
-bfloat16: elements are widened in registers as they are read (bits.py), never by upcasting the whole
-cache per step. GQA stays compact (DESIGN invariant 3): the G query heads of a KV head are one work item,
-so each key and value row is read once for the whole group.
+One new query per sequence attends to its cached keys and values. The cache may hold float32, float16 or
+bfloat16 rows (widened in registers as they are read, bits.py), or int8 / int4 / fp8 codes with their
+float16 scales (attention_formats.StoredCodes), read in place too: an int8 row is a quarter of float32's
+bytes, and reading fewer bytes is the point of a quantized cache. Nothing is dequantized into a copy.
+
+GQA stays compact (DESIGN invariant 3): the G query heads of a KV head are one work item, so each key and
+value row is read once for the whole group. A work item walks its keys a TILE at a time: the G x TILE
+scores of a tile (one pass over its keys), an online-softmax update (rescale what was summed so far to
+the new running max, as flash attention does), then one pass over the tile's values. With int codes the
+scales are applied per row and group as stored: a key's score is sum_j scale_j (q_j . c_j) + zero_j
+sum(q_j), so the dot products run over the codes themselves, and a value row adds p scale_j c_j to the
+output, with p zero_j summed apart per group and added once at the end.
 
 Both layouts are one kernel. The paged cache is `k_blocks[num_blocks, H_kv, block_size, d]` with a
 `block_table` per sequence (key t of sequence s is row t % block_size of block block_table[s, t //
 block_size]); a contiguous cache [B, H_kv, capacity, d] is the same thing with one block per sequence.
 
-Work is split over (sequence, KV head, span of keys) so that both cores have work at batch 1 with few KV
-heads (split-K, as flash-decoding does): each span yields its row max, exp-sum and unnormalised value sum,
-and the spans are combined exactly, rescaled to the common max. The NumPy twins below gather, widen and
-softmax in the plain way; tests/test_kernels.py holds each kernel to its twin.
+Work is split over (sequence, KV head, span of SPAN keys) so that both cores have work at batch 1 with few
+KV heads and a long context (split-K, as flash-decoding does): each span yields its row max, exp-sum and
+unnormalised value sum, and the spans are combined exactly, rescaled to the common max. The NumPy twins
+below gather, widen (or dequantize) and softmax in the plain way; tests/test_kernels*.py hold each kernel
+to its twin.
 """
 
 from __future__ import annotations
@@ -20,41 +29,45 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
+from kvlab.kernels.attention_formats import FLOAT, FP8_E4M3, FP8_E5M2, INT4, INT8, StoredCodes
 from kvlab.kernels.bits import as_kernel_array, widen
 from kvlab.kernels.fastexp import fast_exp
 
 FASTMATH = {"reassoc", "contract"}
-SPAN = 64  # keys per work item: batch 1 with 3 KV heads at 128 context still splits over both cores
+TILE = 32   # keys whose scores are computed before their values are read (scratch [G, TILE] stays in L1)
+SPAN = 256  # keys per work item, a multiple of TILE: at 4096 context, batch 1, 3 KV heads: 48 items
+_E4M3_SCALE = np.float32(2.0 ** 120)  # fp8 bits moved into float32's layout are off by 2^(127 - bias)
+_E5M2_SCALE = np.float32(2.0 ** 112)
+_U7F, _U80 = np.uint32(0x7F), np.uint32(0x80)
+_S20, _S21, _S24 = np.uint32(20), np.uint32(21), np.uint32(24)
 
 
-@njit(fastmath=FASTMATH, cache=True, inline="always")
-def _span(q, h, group, k_blocks, v_blocks, table, block_size, lo, hi, zero, row_max, row_sum, acc, scores):
-    """Keys lo..hi-1 of one sequence (through its block `table`) against the group of query heads of KV
-    head h (rows h*group.. of q [H_q, d], pre-scaled): this span's per-head max, exp-sum, and
-    unnormalised value sum acc [group, d]. An empty span gives max -inf, sum 0, acc 0. `scores` [group,
-    >= hi - lo] is scratch from the caller: an allocation inside a parallel loop serialised the threads
-    (measured: 2 threads took as long as 1 at 4096 keys; with the scratch hoisted, 1.9x faster)."""
-    d = q.shape[1]
-    n = max(hi - lo, 0)
-    # (block, row) of key lo, then stepped row by row: a division per key cost more than its dot products
-    first_block, first_row = lo // block_size, lo % block_size
-    block, row = first_block, first_row
-    for t in range(n):
-        key = k_blocks[table[block], h, row]
-        for g in range(group):
-            qg = q[h * group + g]
-            s = zero
-            for i in range(d):
-                s += qg[i] * widen(key[i])
-            scores[g, t] = s
-        row += 1
-        if row == block_size:
-            block, row = block + 1, 0
-    for g in range(group):
+@njit(inline="always")
+def _e4m3(code):
+    """float32 of an fp8 e4m3fn code (finite: the cache saturates at 448, never stores NaN); subnormals
+    come out exact, as float16's do in bits.widen."""
+    c = np.uint32(code)
+    return np.uint32(((c & _U80) << _S24) | ((c & _U7F) << _S20)).view(np.float32) * _E4M3_SCALE
+
+
+@njit(inline="always")
+def _e5m2(code):
+    """float32 of an fp8 e5m2 code: float16's top byte, widened the same way."""
+    c = np.uint32(code)
+    return np.uint32(((c & _U80) << _S24) | ((c & _U7F) << _S21)).view(np.float32) * _E5M2_SCALE
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _online_update(scores, n, row_max, row_sum, acc, zero):
+    """Fold a tile's scores [G, >= n] into the running max and sum: scores become e^(s - new max), and
+    the value sum so far (acc [G, d]) is rescaled to the new max."""
+    for g in range(scores.shape[0]):
         seen = scores[g]
-        top = seen[0] if n else zero
+        old = row_max[g]
+        top = old
         for t in range(n):
             top = max(top, seen[t])
         total = zero
@@ -62,19 +75,149 @@ def _span(q, h, group, k_blocks, v_blocks, table, block_size, lo, hi, zero, row_
             p = fast_exp(seen[t] - top)
             seen[t] = p
             total += p
-        row_max[g] = top if n else -np.inf
-        row_sum[g] = total
-        for i in range(d):
-            acc[g, i] = zero
-    block, row = first_block, first_row
-    for t in range(n):
-        value = v_blocks[table[block], h, row]
-        for g in range(group):
+        alpha = fast_exp(old - top)  # 0 for the first tile (old = -inf)
+        row_sum[g] = row_sum[g] * alpha + total
+        row_max[g] = top
+        if alpha != 1:
+            ag = acc[g]
+            for i in range(ag.shape[0]):
+                ag[i] *= alpha
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _tile_scores(q, first_head, scores, rows, b, h, r0, n, zero):
+    """scores[g, t] = q[first_head + g] . rows[b, h, r0 + t] for t < n. Four keys per pass over a query
+    row: four running sums in one vectorised loop, so q is loaded once for four keys."""
+    heads, d = scores.shape[0], q.shape[1]
+    t = 0
+    while t + 4 <= n:
+        k0, k1, k2, k3 = rows[b, h, r0 + t], rows[b, h, r0 + t + 1], rows[b, h, r0 + t + 2], rows[b, h, r0 + t + 3]
+        for g in range(heads):
+            qg = q[first_head + g]
+            s0 = s1 = s2 = s3 = zero
+            for i in range(d):
+                x = qg[i]
+                s0 += x * k0[i]
+                s1 += x * k1[i]
+                s2 += x * k2[i]
+                s3 += x * k3[i]
+            scores[g, t], scores[g, t + 1], scores[g, t + 2], scores[g, t + 3] = s0, s1, s2, s3
+        t += 4
+    while t < n:
+        key = rows[b, h, r0 + t]
+        for g in range(heads):
+            qg = q[first_head + g]
+            s = zero
+            for i in range(d):
+                s += qg[i] * key[i]
+            scores[g, t] = s
+        t += 1
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _tile_values(scores, rows, b, h, r0, n, acc):
+    """acc[g] += sum_t scores[g, t] rows[b, h, r0 + t]. Eight value rows per pass over acc: one load and
+    store of each output element for eight keys' products."""
+    heads, d = acc.shape
+    t = 0
+    while t + 8 <= n:
+        v0, v1, v2, v3 = rows[b, h, r0 + t], rows[b, h, r0 + t + 1], rows[b, h, r0 + t + 2], rows[b, h, r0 + t + 3]
+        v4, v5, v6, v7 = rows[b, h, r0 + t + 4], rows[b, h, r0 + t + 5], rows[b, h, r0 + t + 6], rows[b, h, r0 + t + 7]
+        for g in range(heads):
+            p = scores[g]
+            p0, p1, p2, p3, p4, p5, p6, p7 = p[t], p[t + 1], p[t + 2], p[t + 3], p[t + 4], p[t + 5], p[t + 6], p[t + 7]
+            ag = acc[g]
+            for i in range(d):
+                ag[i] += (p0 * v0[i] + p1 * v1[i] + p2 * v2[i] + p3 * v3[i]) + \
+                    (p4 * v4[i] + p5 * v5[i] + p6 * v6[i] + p7 * v7[i])
+        t += 8
+    while t < n:
+        value = rows[b, h, r0 + t]
+        for g in range(heads):
             p = scores[g, t]
             ag = acc[g]
             for i in range(d):
-                ag[i] += p * widen(value[i])
-        row += 1
+                ag[i] += p * value[i]
+        t += 1
+
+
+def _tile(stored, scale, zero_point, kind, group, b, h, r0, n, tile, zero):  # pragma: no cover - overloaded
+    """Rows r0..r0+n-1 of block b, head h as float rows of the compute dtype: (array, b, h, r0) to index.
+    Rows already in that dtype are read where they lie; others (float16/bfloat16 bits, codes) are
+    widened or dequantized once into `tile` [1, 1, TILE, d], so the G query heads share the work."""
+    raise NotImplementedError
+
+
+def _tile_in_place(stored, scale, zero_point, kind, group, b, h, r0, n, tile, zero):
+    return stored, b, h, r0
+
+
+def _tile_widened(stored, scale, zero_point, kind, group, b, h, r0, n, tile, zero):
+    for t in range(n):
+        src, dst = stored[b, h, r0 + t], tile[0, 0, t]
+        for i in range(dst.shape[0]):
+            dst[i] = zero + widen(src[i])
+    return tile, 0, 0, 0
+
+
+def _tile_decoded(stored, scale, zero_point, kind, group, b, h, r0, n, tile, zero):
+    """x = zero_j + code * scale_j per group j (the float16 pair as stored), or an fp8 code's value."""
+    d = tile.shape[3]
+    for t in range(n):
+        src, dst = stored[b, h, r0 + t], tile[0, 0, t]
+        if kind == INT8 or kind == INT4:
+            s_row, z_row = scale[b, h, r0 + t], zero_point[b, h, r0 + t]
+            for j in range(d // group):
+                s, z, base = zero + widen(s_row[j]), zero + widen(z_row[j]), j * group
+                if kind == INT8:
+                    for i in range(group):
+                        dst[base + i] = z + src[base + i] * s
+                else:
+                    half = base // 2
+                    for i in range(group // 2):
+                        c = src[half + i]
+                        dst[base + 2 * i] = z + (c & 15) * s
+                        dst[base + 2 * i + 1] = z + (c >> 4) * s
+        elif kind == FP8_E4M3:
+            for i in range(d):
+                dst[i] = zero + _e4m3(src[i])
+        else:
+            for i in range(d):
+                dst[i] = zero + _e5m2(src[i])
+    return tile, 0, 0, 0
+
+
+@overload(_tile, inline="always")
+def _tile_overload(stored, scale, zero_point, kind, group, b, h, r0, n, tile, zero):
+    if stored.dtype == tile.dtype:
+        return _tile_in_place
+    return _tile_decoded if stored.dtype == types.uint8 else _tile_widened
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _span(q, h, kc, ks, kz, vc, vs, vz, kind, group, table, lo, hi, zero, row_max, row_sum, acc, scores, k_tile,
+          v_tile):
+    """Keys lo..hi-1 of one sequence (through its block `table`) against the G query heads of KV head h
+    (rows h*G.. of q [H_q, d], pre-scaled): this span's per-head max, exp-sum and unnormalised value sum
+    acc [G, d]. An empty span gives max -inf, sum 0, acc 0. Tiles never cross a block, so float rows of
+    the compute dtype are always read in place. `scores` [G, TILE] and the tiles [1, 1, TILE, d] are
+    scratch from the caller: an allocation inside a parallel loop serialised the threads (measured: 2
+    threads took as long as 1 at 4096 keys; with the scratch hoisted, 1.9x faster)."""
+    heads, block_size = scores.shape[0], kc.shape[2]
+    row_max[:] = -np.inf
+    row_sum[:] = zero
+    acc[:] = zero
+    block, row = lo // block_size, lo % block_size
+    first = lo
+    while first < hi:
+        n = min(TILE, hi - first, block_size - row)
+        b = table[block]
+        rows, tb, th, tr = _tile(kc, ks, kz, kind, group, b, h, row, n, k_tile, zero)
+        _tile_scores(q, h * heads, scores, rows, tb, th, tr, n, zero)
+        _online_update(scores, n, row_max, row_sum, acc, zero)
+        rows, tb, th, tr = _tile(vc, vs, vz, kind, group, b, h, row, n, v_tile, zero)
+        _tile_values(scores, rows, tb, th, tr, n, acc)
+        first, row = first + n, row + n
         if row == block_size:
             block, row = block + 1, 0
 
@@ -85,7 +228,7 @@ def _combine(row_max, row_sum, acc, zero, out):
     max of the span maxima; empty spans weigh e^-inf = 0)."""
     spans, group, d = acc.shape
     for g in range(group):
-        top = -np.inf
+        top = row_max[0, g]
         for c in range(spans):
             top = max(top, row_max[c, g])
         total = zero
@@ -94,7 +237,7 @@ def _combine(row_max, row_sum, acc, zero, out):
         for c in range(spans):
             if row_sum[c, g] == 0:
                 continue
-            w = np.exp(row_max[c, g] - top)
+            w = fast_exp(row_max[c, g] - top)
             total += row_sum[c, g] * w
             for i in range(d):
                 out[g, i] += acc[c, g, i] * w
@@ -102,25 +245,26 @@ def _combine(row_max, row_sum, acc, zero, out):
             out[g, i] /= total
 
 
-def _decode_py(q, k_blocks, v_blocks, block_tables, starts, ends, span, out, zero):
-    seqs, kv_heads, block_size = q.shape[0], k_blocks.shape[1], k_blocks.shape[2]
-    group, d = q.shape[1] // kv_heads, q.shape[2]
+def _decode_py(q, kc, ks, kz, vc, vs, vz, kind, group, block_tables, starts, ends, span, out, zero):
+    seqs, kv_heads = q.shape[0], kc.shape[1]
+    heads, d = q.shape[1] // kv_heads, q.shape[2]
     spans = 1
     for s in range(seqs):
         spans = max(spans, (ends[s] - starts[s] + span - 1) // span)
-    row_max = np.empty((seqs, kv_heads, spans, group), dtype=q.dtype)
+    row_max = np.empty((seqs, kv_heads, spans, heads), dtype=q.dtype)
     row_sum = np.empty_like(row_max)
-    acc = np.empty((seqs, kv_heads, spans, group, d), dtype=q.dtype)
-    scores = np.empty((seqs, kv_heads, spans, group, span), dtype=q.dtype)
+    acc = np.empty((seqs, kv_heads, spans, heads, d), dtype=q.dtype)
+    scores = np.empty((seqs, kv_heads, spans, heads, TILE), dtype=q.dtype)
+    tiles = np.empty((seqs, kv_heads, spans, 2, 1, 1, TILE, d), dtype=q.dtype)
     for item in prange(seqs * kv_heads * spans):
         s, rest = divmod(np.int64(item), kv_heads * spans)  # prange indices are unsigned: keep ints signed
         h, c = divmod(rest, spans)
         lo = starts[s] + c * span
-        _span(q[s], h, group, k_blocks, v_blocks, block_tables[s], block_size, lo, min(lo + span, ends[s]),
-              zero, row_max[s, h, c], row_sum[s, h, c], acc[s, h, c], scores[s, h, c])
+        _span(q[s], h, kc, ks, kz, vc, vs, vz, kind, group, block_tables[s], lo, min(lo + span, ends[s]), zero,
+              row_max[s, h, c], row_sum[s, h, c], acc[s, h, c], scores[s, h, c], tiles[s, h, c, 0], tiles[s, h, c, 1])
     for item in prange(seqs * kv_heads):
         s, h = divmod(np.int64(item), kv_heads)
-        _combine(row_max[s, h], row_sum[s, h], acc[s, h], zero, out[s, h * group:(h + 1) * group])
+        _combine(row_max[s, h], row_sum[s, h], acc[s, h], zero, out[s, h * heads:(h + 1) * heads])
 
 
 # Below this many key rows (sequences x KV heads x keys) one thread does it all: waking the other costs
@@ -130,19 +274,37 @@ def _decode_py(q, k_blocks, v_blocks, block_tables, starts, ends, span, out, zer
 PARALLEL_MIN_ROWS = 2048
 _decode_parallel = njit(parallel=True, fastmath=FASTMATH, cache=True)(_decode_py)
 _decode_serial = njit(fastmath=FASTMATH, cache=True)(_decode_py)
+_NO_SCALES = np.zeros((1, 1, 1, 1), dtype=np.int16)  # what a float store passes for scales and zeros
 
 
 def decode_kernel(rows: int):
     """The compiled kernel for a decode over `rows` key rows in all (sequences x KV heads x keys):
-    `kernel(q, k_blocks, v_blocks, block_tables, starts, ends, span, out, zero)`."""
+    `kernel(q, *kernel_operands(keys), *kernel_operands(values)[:3], kind, group, block_tables, starts,
+    ends, span, out, zero)`; see `kernel_call`."""
     return _decode_parallel if rows >= PARALLEL_MIN_ROWS else _decode_serial
 
 
-def _decode(q, k_blocks, v_blocks, block_tables, starts, ends, span, out, zero, rows: int | None = None) -> None:
+def kernel_operands(stored: np.ndarray | StoredCodes) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+    """(codes or rows, scale bits, zero bits, kind, group) for one layer's keys or values as a store holds
+    them: a float array (float16/bfloat16 as their bits, no scales) or StoredCodes."""
+    if isinstance(stored, StoredCodes):
+        scale, zero = stored.scale, stored.zero
+        if scale.size == 0:
+            scale = zero = _NO_SCALES
+        return stored.codes.view(np.uint8), scale.view(np.int16), zero.view(np.int16), stored.kind, stored.group
+    return as_kernel_array(np.ascontiguousarray(stored)), _NO_SCALES, _NO_SCALES, FLOAT, 1
+
+
+def _decode(q, keys, values, block_tables, starts, ends, out, rows: int | None = None) -> None:
     """`rows`: key rows in all when the caller knows it without NumPy calls."""
+    kc, ks, kz, kind, group = kernel_operands(keys)
+    vc, vs, vz, value_kind, _ = kernel_operands(values)
+    if value_kind != kind or kc.dtype != vc.dtype:
+        raise ValueError("keys and values must be stored alike")
     if rows is None:
-        rows = int((ends - starts).sum()) * k_blocks.shape[1]
-    decode_kernel(rows)(q, k_blocks, v_blocks, block_tables, starts, ends, span, out, zero)
+        rows = int((ends - starts).sum()) * kc.shape[1]
+    decode_kernel(rows)(q, kc, ks, kz, vc, vs, vz, kind, group, block_tables, starts, ends, SPAN, out,
+                        q.dtype.type(0))
 
 
 def _scaled(q: np.ndarray, scale: float | None) -> np.ndarray:
@@ -156,44 +318,49 @@ def _check_ranges(starts: np.ndarray, ends: np.ndarray, capacity: np.ndarray | i
                          f"{starts.tolist()}, ends {ends.tolist()}, capacity {np.asarray(capacity).tolist()}")
 
 
-def paged_decode_attention(q: np.ndarray, k_blocks: np.ndarray, v_blocks: np.ndarray,
+def _shape(stored: np.ndarray | StoredCodes) -> tuple[int, ...]:
+    """[blocks, H_kv, rows, d] of a layer's storage (int4 codes hold d/2 bytes a row)."""
+    if isinstance(stored, StoredCodes):
+        blocks, heads, rows, width = stored.codes.shape
+        return blocks, heads, rows, 2 * width if stored.kind == INT4 else width
+    return stored.shape
+
+
+def paged_decode_attention(q: np.ndarray, k_blocks: np.ndarray | StoredCodes, v_blocks: np.ndarray | StoredCodes,
                            block_tables: np.ndarray, context_lens: np.ndarray,
                            key_starts: np.ndarray | None = None, scale: float | None = None) -> np.ndarray:
     """Attention of one new query per sequence to its paged K/V, read in place.
 
     q [S, H_q, d] (float32/float64); k_blocks, v_blocks [num_blocks, H_kv, block_size, d] (float32,
-    float16 or bfloat16); block_tables [S, max_blocks] ints (entries past a sequence's blocks unused);
-    context_lens [S]: sequence s attends to its keys key_starts[s] .. context_lens[s]-1 (key_starts
-    default 0; a sliding window sets it). The new token's K/V must already be written. Returns
-    [S, H_q, d] in q's dtype.
+    float16 or bfloat16), or StoredCodes of that shape; block_tables [S, max_blocks] ints (entries past a
+    sequence's blocks unused); context_lens [S]: sequence s attends to its keys key_starts[s] ..
+    context_lens[s]-1 (key_starts default 0; a sliding window sets it). The new token's K/V must already
+    be written. Returns [S, H_q, d] in q's dtype.
     """
     context_lens = np.asarray(context_lens, dtype=np.int64)
     starts = np.zeros_like(context_lens) if key_starts is None else np.asarray(key_starts, dtype=np.int64)
     tables = np.ascontiguousarray(block_tables, dtype=np.int64)
-    _check_ranges(starts, context_lens, tables.shape[1] * k_blocks.shape[2])
+    _check_ranges(starts, context_lens, tables.shape[1] * _shape(k_blocks)[2])
     q = _scaled(q, scale)
     out = np.empty_like(q)
-    _decode(q, as_kernel_array(k_blocks), as_kernel_array(v_blocks), tables, starts, context_lens, SPAN, out,
-            q.dtype.type(0))
+    _decode(q, k_blocks, v_blocks, tables, starts, context_lens, out)
     return out
 
 
-def decode_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, end: int,
-                     scale: float | None = None) -> np.ndarray:
+def decode_attention(q: np.ndarray, keys: np.ndarray | StoredCodes, values: np.ndarray | StoredCodes, start: int,
+                     end: int, scale: float | None = None) -> np.ndarray:
     """Attention of one query per row, q [B, H_q, d], to a contiguous cache's keys/values
-    [B, H_kv, capacity, d] rows start..end-1 (read in place: pass the whole preallocated arrays).
-    The contiguous layout is the paged one with one block per sequence."""
-    batch = keys.shape[0]
-    if not 0 <= start < end <= keys.shape[2]:  # plain ints: this runs once per layer per decode step
+    [B, H_kv, capacity, d] (float rows or StoredCodes) rows start..end-1, read in place: pass the whole
+    preallocated arrays. The contiguous layout is the paged one with one block per sequence."""
+    batch, kv_heads, capacity, _ = _shape(keys)
+    if not 0 <= start < end <= capacity:  # plain ints: this runs once per layer per decode step
         raise ValueError(f"every sequence needs a key range 0 <= start < end <= its capacity; got start "
-                         f"{start}, end {end}, capacity {keys.shape[2]}")
+                         f"{start}, end {end}, capacity {capacity}")
     starts, ends = np.full(batch, start, dtype=np.int64), np.full(batch, end, dtype=np.int64)
     q = _scaled(q, scale)
     out = np.empty_like(q)
     tables = np.arange(batch, dtype=np.int64)[:, None]
-    keys, values = np.ascontiguousarray(keys), np.ascontiguousarray(values)
-    _decode(q, as_kernel_array(keys), as_kernel_array(values), tables, starts, ends, SPAN, out, q.dtype.type(0),
-            rows=batch * keys.shape[1] * (end - start))
+    _decode(q, keys, values, tables, starts, ends, out, rows=batch * kv_heads * (end - start))
     return out
 
 

@@ -13,10 +13,11 @@ tables) is built once, when the Attention is made for one forward.
   * `ObservedAttention` wraps a gathering ContiguousAttention and shows each layer's queries, keys and
     mask to an observer (H2O's heavy-hitter scores, kvlab/policies/h2o.py).
 
-Each one either runs compiled kernels on the storage in place (float storage on the compiled backend:
-kvlab/kernels/attention.py for one query per sequence, kernels/prefill_attention.py for more) or gathers
-the keys and values into contiguous compute-dtype arrays and calls the NumPy reference `layers.attend`
-(the NumPy backend, quantized caches, masks that are not one run of keys per query). The model knows
+Each one either runs compiled kernels on the storage in place (on the compiled backend: float storage,
+kvlab/kernels/attention.py for one query per sequence, kernels/prefill_attention.py for more; int8/int4/
+fp8 codes with their scales for one query per sequence) or gathers the keys and values into contiguous
+compute-dtype arrays and calls the NumPy reference `layers.attend` (the NumPy backend, prefills over
+quantized caches, masks that are not one run of keys per query). The model knows
 only the two storage protocols, never a concrete cache class.
 """
 
@@ -73,6 +74,8 @@ class ContiguousAttention:
             if self.ranges is not None and self.num_new == 1:
                 lo, hi = self.ranges
                 self.decode = _DecodeCall(decode_kernels, lo[:, 0].copy(), hi[:, 0].copy(), config, self.dtype)
+            elif cache is not None and cache.quantized:  # codes are read in place by the decode kernel only
+                self.in_place, self.ranges = False, None
 
     def _heads_first(self, x: np.ndarray) -> np.ndarray:
         """[N, H, d] rows of the flat batch as [B, H, T, d] (a view)."""
@@ -114,7 +117,8 @@ class ContiguousAttention:
 class _DecodeCall:
     """The compiled decode kernel for one query per sequence, set up once per forward: the kernel variant
     (serial or parallel, by the number of key rows), key ranges, one-block-per-sequence tables and the
-    output buffer, so that each layer is one call."""
+    output buffer, so that each layer is one call. The layer's storage is float rows or StoredCodes
+    (int8/int4/fp8 with their scales), read in place either way."""
 
     def __init__(self, kernels, starts: np.ndarray, ends: np.ndarray, config: ModelConfig,
                  dtype: np.dtype) -> None:
@@ -123,15 +127,17 @@ class _DecodeCall:
         heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.starts, self.ends = starts, ends
         self.kernel = kernels.decode_kernel(int((self.ends - self.starts).sum()) * kv_heads)
-        self.as_kernel_array, self.span = kernels.as_kernel_array, kernels.SPAN
+        self.operands, self.span = kernels.kernel_operands, kernels.SPAN
         self.tables = np.arange(batch, dtype=np.int64)[:, None]  # a contiguous cache: one block per row
         self.scale, self.zero = dtype.type(1.0 / np.sqrt(head_dim)), dtype.type(0)
         self.out = np.empty((batch, heads, head_dim), dtype=dtype)  # reused: each layer's o is used at once
         self.merged = self.out.reshape(batch, heads * head_dim)
 
     def __call__(self, q: np.ndarray, k4: np.ndarray, v4: np.ndarray) -> np.ndarray:
-        self.kernel(q * self.scale, self.as_kernel_array(k4), self.as_kernel_array(v4), self.tables,
-                    self.starts, self.ends, self.span, self.out, self.zero)
+        kc, ks, kz, kind, group = self.operands(k4)
+        vc, vs, vz, _, _ = self.operands(v4)
+        self.kernel(q * self.scale, kc, ks, kz, vc, vs, vz, kind, group, self.tables, self.starts, self.ends,
+                    self.span, self.out, self.zero)
         return self.merged
 
 
@@ -181,14 +187,20 @@ class PagedAttention:
             # a decode sees keys from its window's start (W keys, itself included) to itself
             self.decode_starts = np.maximum(self.decode_positions[:, 0] - self.window + 1, 0) \
                 if self.window else None
-        # compiled attention reads a float pool in place; quantized blocks go through the NumPy gather
+        # compiled attention reads a float pool in place, and the decode kernel reads quantized blocks in
+        # place too (their StoredCodes); prefill chunks over quantized blocks go through the NumPy gather
         self.in_place = compiled and isinstance(self.key_cache[0], np.ndarray)
+        self.decode_in_place = compiled and (self.in_place or hasattr(self.key_cache[0], "stored"))
         self.seq_tables = {i: np.array([batch.block_tables[i]], dtype=np.int64) for i in self.others}
         self.ranges = {}  # compiled prefill: each chunk's visible keys as one range per query
-        if self.in_place:
-            from kvlab.kernels import attention as decode_kernels, prefill_attention
+        if self.decode_in_place:
+            from kvlab.kernels import attention as decode_kernels
 
-            self._decode, self._prefill = decode_kernels, prefill_attention
+            self._decode = decode_kernels
+        if self.in_place:
+            from kvlab.kernels import prefill_attention
+
+            self._prefill = prefill_attention
             for i in self.others:
                 query_positions = positions[self.starts[i]:self.starts[i + 1]]
                 mask = attention_mask(query_positions, np.arange(batch.context_lens[i]), causal=self.causal,
@@ -200,10 +212,10 @@ class PagedAttention:
         key_cache, value_cache = self.key_cache[layer], self.value_cache[layer]
         write_slots(key_cache, value_cache, self.slot_mapping, k, v)
         attn = np.empty((q.shape[0], self.heads, self.head_dim), dtype=q.dtype)
-        if self.decodes and self.in_place:
+        if self.decodes and self.decode_in_place:
             attn[self.decode_rows] = self._decode.paged_decode_attention(
-                q[self.decode_rows], key_cache, value_cache, self.decode_tables, self.decode_lens,
-                self.decode_starts)
+                q[self.decode_rows], _stored(key_cache), _stored(value_cache), self.decode_tables,
+                self.decode_lens, self.decode_starts)
         elif self.decodes:
             out = paged_attention(q[self.decode_rows][:, :, None], key_cache, value_cache, self.decode_tables,
                                   self.decode_positions, self.decode_lens, causal=self.causal,
@@ -221,6 +233,11 @@ class PagedAttention:
                                   sliding_window=self.window)
             attn[rows] = out[0].transpose(1, 0, 2)
         return attn.reshape(q.shape[0], self.heads * self.head_dim)
+
+
+def _stored(blocks: object) -> object:
+    """A pool layer as the decode kernel reads it: a float array as it is, quantized blocks' StoredCodes."""
+    return blocks if isinstance(blocks, np.ndarray) else blocks.stored()
 
 
 def _padded(tables: list[list[int]]) -> np.ndarray:
