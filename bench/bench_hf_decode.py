@@ -53,6 +53,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-busy", action="store_true", help="skip the busy-neighbour round")
     p.add_argument("--no-compile-time", action="store_true", help="skip the cold/warm compile subprocesses")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even if llama-cpp-python imports")
+    p.add_argument("--kv-dtypes", nargs="*", default=[],
+                   help="also run the compiled engines with these cache dtypes (int8, fp8_e4m3, bfloat16, ...)")
     return p.parse_args()
 
 
@@ -107,11 +109,14 @@ def matrix_params(model) -> int:
                for n in ("w_qkv", "w_o", "w_gate_up", "w_down")) + model.lm_head.size
 
 
-def step_bytes(model, context: int, weight_bytes: int, batch: int = 1) -> int:
+def step_bytes(model, context: int, weight_bytes: int, batch: int = 1, kv_dtype: str = "float32") -> float:
     """Bytes a decode step reads: every weight matrix once at `weight_bytes` each (the LM head included),
-    plus the float32 K/V cache of every sequence at `context`."""
+    plus the K/V cache of every sequence at `context` in `kv_dtype` (int8/int4 scales included)."""
+    from kvlab.cache.dtypes import PAYLOAD_BYTES, scale_bytes_per_row, size_name
+
     c = model.config
-    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * context * c.head_dim * 4 * batch
+    row = float(PAYLOAD_BYTES[size_name(kv_dtype)]) * c.head_dim + scale_bytes_per_row(kv_dtype, c.head_dim)
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * context * row * batch
     return matrix_params(model) * weight_bytes + kv
 
 
@@ -136,9 +141,9 @@ def measure_gemm_rate(repeats: int = 3) -> float:
     return 2 * 2048 ** 3 / best
 
 
-def kvlab_run(model, prompt: np.ndarray, steps: int) -> tuple[float, float]:
+def kvlab_run(model, prompt: np.ndarray, steps: int, kv_dtype: str | None = None) -> tuple[float, float]:
     """(prefill seconds, median decode seconds per step) with kvlab's cache; prompt [B, T]."""
-    cache = model.new_cache(prompt.shape[0], capacity=prompt.shape[1] + steps + 1)
+    cache = model.new_cache(prompt.shape[0], kv_dtype=kv_dtype, capacity=prompt.shape[1] + steps + 1)
     start = time.perf_counter()
     logits = model.forward(prompt, cache=cache, logits_to_keep=1).logits
     prefill = time.perf_counter() - start
@@ -232,6 +237,11 @@ def main() -> None:
                "kvlab compiled f32": load_model(f32_dir, backend="numba"),
                "kvlab compiled bf16": load_model(bf16_dir, backend="numba")}
     assert engines["kvlab compiled bf16"].weights_dtype.name == "bfloat16"
+    cache_dtypes = {}  # engine name -> the cache dtype its rows use (kvlab's default: float32)
+    for kv_dtype in ARGS.kv_dtypes:
+        for name in ("kvlab compiled f32", "kvlab compiled bf16"):
+            engines[f"{name} kv={kv_dtype}"] = engines[name]
+            cache_dtypes[f"{name} kv={kv_dtype}"] = kv_dtype
     if not ARGS.no_transformers:
         import torch
         from transformers import AutoModelForCausalLM
@@ -268,10 +278,12 @@ def main() -> None:
                 elif name.startswith("llama.cpp"):
                     prefill, decode = engine.run(context, ARGS.steps)
                 else:
-                    prefill, decode = kvlab_run(engine, prompt, ARGS.steps)
+                    prefill, decode = kvlab_run(engine, prompt, ARGS.steps, cache_dtypes.get(name))
                 best[name] = [min(best[name][0], prefill), min(best[name][1], decode)]
         results[str(context)] = {name: {"prefill": p, "decode": d} for name, (p, d) in best.items()}
     llama_cpp_error = {}
+    for name in cache_dtypes:  # the same model objects: not again in the batch, busy and logit checks
+        engines.pop(name)
     check_ids = [int(t) for t in rng.integers(300, SHAPE["vocab_size"], size=16)]
     want = engines["kvlab compiled f32"].forward([check_ids]).logits[0, -1]
     for name, engine in engines.items():
@@ -305,8 +317,9 @@ def main() -> None:
     for context, by_engine in results.items():
         hf = by_engine.get("transformers f32")
         for name, r in by_engine.items():
-            weight_bytes = 4 if name.endswith("f32") else 2
-            roof = step_bytes(reference, int(context), weight_bytes) / bandwidth
+            weight_bytes = 4 if name.split(" kv=")[0].endswith("f32") else 2
+            roof = step_bytes(reference, int(context), weight_bytes, kv_dtype=cache_dtypes.get(name, "float32")) \
+                / bandwidth
             compute_roof = prefill_flops(reference, int(context)) / gemm_rate
             row = {"context": int(context), "engine": name, **r, "roofline": roof,
                    "prefill_compute_roofline": compute_roof}

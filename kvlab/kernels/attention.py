@@ -176,8 +176,8 @@ def _tile_decoded(stored, scale, zero_point, kind, group, b, h, r0, n, tile, zer
                     half = base // 2
                     for i in range(group // 2):
                         c = src[half + i]
-                        dst[base + 2 * i] = z + (c & 15) * s
-                        dst[base + 2 * i + 1] = z + (c >> 4) * s
+                        dst[base + 2 * i] = z + np.float32(c & 15) * s  # float32: no int64 -> float64
+                        dst[base + 2 * i + 1] = z + np.float32(c >> 4) * s
         elif kind == FP8_E4M3:
             for i in range(d):
                 dst[i] = zero + _e4m3(src[i])
@@ -222,7 +222,7 @@ def _span(q, h, kc, ks, kz, vc, vs, vz, kind, group, table, lo, hi, zero, row_ma
             block, row = block + 1, 0
 
 
-@njit(fastmath=FASTMATH, cache=True, inline="always")
+@njit(fastmath=FASTMATH, cache=True)
 def _combine(row_max, row_sum, acc, zero, out):
     """out [group, d] = sum_c acc[c] e^(max_c - M) / sum_c row_sum[c] e^(max_c - M) over spans c (M: the
     max of the span maxima; empty spans weigh e^-inf = 0)."""
