@@ -134,7 +134,7 @@ def test_fp8_codes_widen_exactly(name):
 
 # --- the compiled writer is the codec ----------------------------------------------------------------
 @settings(max_examples=60)
-@given(name=st.sampled_from(CODES), compute=st.sampled_from(["float32", "float64"]),
+@given(name=st.sampled_from(CODES), compute=st.sampled_from(["float32", "float64", "float16"]),
        head_dim=st.sampled_from([8, 32, 64, 96]), magnitude=st.sampled_from([1e-7, 1e-3, 1.0, 300.0, 5e3]),
        zeros=st.booleans(), seed=st.integers(0, 2**16))
 def test_compiled_writer_equals_the_numpy_codec_bit_for_bit(name, compute, head_dim, magnitude, zeros, seed):

@@ -118,6 +118,8 @@ def encode_into(x, codes, scale, zero, blocks, rows, kind, group):
 def write_codes(stored: StoredCodes, blocks: np.ndarray, rows: np.ndarray, x: np.ndarray) -> None:
     """Quantize rows x [N, H_kv, d] into `stored` at (blocks[n], rows[n]): what `encode_rows` and an
     assignment do, in one compiled call."""
+    if x.dtype not in (np.float32, np.float64):  # float16/bfloat16 rows: exact in float64, as the codec reads them
+        x = x.astype(np.float64)
     encode_into(np.ascontiguousarray(x), stored.codes.view(np.uint8), stored.scale.view(np.uint16),
                 stored.zero.view(np.uint16), np.asarray(blocks, dtype=np.int64), np.asarray(rows, dtype=np.int64),
                 stored.kind, stored.group)
