@@ -103,6 +103,26 @@ def gguf_tensors(path: Path) -> list[tuple[str, str, tuple[int, ...]]]:
     return [(info.name, info.type_name, info.shape) for info in read_gguf(path).tensors.values()]
 
 
+def compare_tensors(a: Path, b: Path) -> dict[str, list[str]]:
+    """Tensors of two GGUF files by name: "identical" bytes, "differ" (same type and shape, other bytes),
+    "other_type" (stored in different types or shapes) and "unpaired" (in one file only). kvlab's encoders
+    are llama.cpp's reference encoders, so a kvlab file and llama-quantize's of the same type and source
+    should share every tensor they store alike."""
+    from kvlab.gguf.reader import read_gguf
+
+    fa, fb = read_gguf(a), read_gguf(b)
+    result: dict[str, list[str]] = {"identical": [], "differ": [], "other_type": [], "unpaired": []}
+    for name in sorted(set(fa.tensors) | set(fb.tensors)):
+        ia, ib = fa.tensors.get(name), fb.tensors.get(name)
+        if ia is None or ib is None:
+            result["unpaired"].append(name)
+        elif (ia.type_name, ia.shape) != (ib.type_name, ib.shape):
+            result["other_type"].append(name)
+        else:
+            result["identical" if np.array_equal(fa.raw(name), fb.raw(name)) else "differ"].append(name)
+    return result
+
+
 # --- llama-bench -----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class BenchRecord:

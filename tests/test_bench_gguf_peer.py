@@ -175,3 +175,27 @@ def test_logits_agreement_measures_the_difference_and_the_argmax():
     r = bench_gguf_peer.logits_agreement(got, want)
     assert r["max_abs"] == pytest.approx(2.5) and r["max_logit"] == 4.0
     assert r["relative"] == pytest.approx(2.5 / 5.0) and r["top1"] == 0.5
+
+
+def write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, str]]) -> None:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, (values, kind) in tensors.items():
+        raw = gguf.quants.quantize(values, gguf.GGMLQuantizationType[kind])
+        writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_compare_tensors_sorts_each_tensor_by_how_the_two_files_store_it(tmp_path):
+    rng = np.random.default_rng(1)
+    w = {name: rng.standard_normal((8, 64)).astype(np.float32) for name in "abcde"}
+    changed = w["b"].copy()
+    changed[3, 5] += 1.0  # one weight moved: its block's codes change
+    write_gguf(tmp_path / "x.gguf", {"a": (w["a"], "Q8_0"), "b": (w["b"], "Q8_0"), "c": (w["c"], "Q4_0"),
+                                     "d": (w["d"], "Q8_0")})
+    write_gguf(tmp_path / "y.gguf", {"a": (w["a"], "Q8_0"), "b": (changed, "Q8_0"), "c": (w["c"], "Q8_0"),
+                                     "e": (w["e"], "Q8_0")})
+    assert llama_cpp_peer.compare_tensors(tmp_path / "x.gguf", tmp_path / "y.gguf") == {
+        "identical": ["a"], "differ": ["b"], "other_type": ["c"], "unpaired": ["d", "e"]}
