@@ -48,11 +48,12 @@ CHECK_TEXT = Path(__file__).resolve().parent.parent / "kvlab" / "models" / "shak
 # activations rounded to float16), and caches K/V in float16, so its logits differ from kvlab's exact
 # float32 products of the same weights. Measured on SmolLM2-135M-Instruct, 64 tokens of validation.txt
 # (this bench, 2026-12-01, llama.cpp of llama-cpp-python 0.3.36): max |difference| / (max |logit| + 1)
-# 0.0014 on F16 (max |diff| 0.047), 0.047 on Q8_0 (1.62; the BOS position alone 0.55), up to 0.076 on Q4_0;
-# top-1 agreement 93.8-100 %. The bounds are a few times above that; a file llama.cpp misread (rows out of
-# order, wrong scales) would give differences of the order of the logits themselves.
-CHECK_RELATIVE = 0.2
-CHECK_TOP1 = 0.85
+# 0.0014 on F16 (max |diff| 0.047), 0.047 on Q8_0 (1.62; the BOS position alone 0.55), 0.044-0.076 on the
+# Q4/Q5 types, 0.117 on Q4_K_M (its K blocks take 8-bit activations per 256); top-1 agreement 90.6-100 %.
+# The bounds are a few times above that; a file llama.cpp misread (rows out of order, wrong scales) would
+# give differences of the order of the logits themselves.
+CHECK_RELATIVE = 0.3
+CHECK_TOP1 = 0.8
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
