@@ -75,6 +75,7 @@ from kvlab.hf import load_model  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama_cpp_peer  # noqa: E402
+from kvlab_timing import kvlab_run  # noqa: E402 (bench/kvlab_timing.py)
 from roofline import measure_bandwidth  # noqa: E402 (bench/roofline.py)
 
 
@@ -139,22 +140,6 @@ def measure_gemm_rate(repeats: int = 3) -> float:
         a @ a
         best = min(best, time.perf_counter() - start)
     return 2 * 2048 ** 3 / best
-
-
-def kvlab_run(model, prompt: np.ndarray, steps: int, kv_dtype: str | None = None) -> tuple[float, float]:
-    """(prefill seconds, median decode seconds per step) with kvlab's cache; prompt [B, T]."""
-    cache = model.new_cache(prompt.shape[0], kv_dtype=kv_dtype, capacity=prompt.shape[1] + steps + 1)
-    start = time.perf_counter()
-    logits = model.forward(prompt, cache=cache, logits_to_keep=1).logits
-    prefill = time.perf_counter() - start
-    token = np.argmax(logits[:, -1], axis=-1)[:, None]
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        logits = model.forward(token, cache=cache, logits_to_keep=1).logits
-        token = np.argmax(logits[:, -1], axis=-1)[:, None]
-        times.append(time.perf_counter() - start)
-    return prefill, statistics.median(times)
 
 
 class _TokenClock:

@@ -7,18 +7,26 @@ vocabulary of the right size: the benchmarks feed token ids, so no text is ever 
 answers one request per line: prefill a prompt of `context` random ids, then decode `steps` tokens;
 it returns the prefill seconds and the median decode seconds per token.
 
-    python bench/llama_cpp_peer.py worker MODEL.gguf THREADS N_CTX    (what LlamaCppWorker starts)
+`llama-bench` (llama.cpp's own benchmark binary) is driven by `run_llama_bench` and its JSON read by
+`parse_llama_bench`; `decode_weight_bytes` and `kv_bytes` say what a llama.cpp decode step reads of a GGUF
+file and of its cache (the roofline's numerator), from the file's tensor directory.
+
+    python bench/llama_cpp_peer.py worker MODEL.gguf THREADS N_CTX [logits_all]   (what LlamaCppWorker starts)
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -36,6 +44,129 @@ def available() -> str:
     except Exception as exc:  # not installed, or a build that fails to load
         return f"llama-cpp-python not importable ({type(exc).__name__}: {exc})"
     return ""
+
+
+def worker_available(env: Mapping[str, str]) -> str:
+    """'' when llama-cpp-python imports in a child process with `env` (LLAMA_CPP_LIB_PATH naming a
+    libllama.so built apart), else why not. A child, so this process never loads llama.cpp's OpenMP."""
+    out = subprocess.run([sys.executable, "-c", "import llama_cpp"], env=dict(env), capture_output=True, text=True)
+    if out.returncode == 0:
+        return ""
+    last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+    return f"llama-cpp-python not importable ({last})"
+
+
+def find_llama_bench(given: str | None) -> Path | None:
+    """The llama-bench binary: `given` (a path), else $LLAMA_BENCH, else `llama-bench` on PATH."""
+    found = given or os.environ.get("LLAMA_BENCH") or shutil.which("llama-bench")
+    return Path(found) if found and Path(found).is_file() else None
+
+
+# --- what a llama.cpp decode step reads ----------------------------------------------------------------
+def tensor_bytes(type_name: str, n_elements: int) -> int:
+    """Bytes of `n_elements` values of ggml type `type_name` ("Q4_K", "F16", "q8_0" ...), from ggml's own
+    (weights per block, bytes per block) table in the `gguf` package."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name.upper()]]
+    if n_elements % block:
+        raise ValueError(f"{n_elements} values are not whole {type_name} blocks of {block}")
+    return n_elements // block * size
+
+
+def decode_weight_bytes(tensors: Iterable[tuple[str, str, Sequence[int]]]) -> int:
+    """Weight bytes one llama.cpp decode step reads: every matrix of (name, ggml type, shape) once, as
+    stored. The token embedding is a row gather (one row a token) unless the file has no output.weight,
+    when it doubles as the LM head and is read whole. Norm vectors (~0.1 MB here) are left out."""
+    listed = [(name, kind, tuple(shape)) for name, kind, shape in tensors]
+    tied = not any(name == "output.weight" for name, _, _ in listed)
+    total = 0
+    for name, kind, shape in listed:
+        if len(shape) != 2 or (name == "token_embd.weight" and not tied):
+            continue
+        total += tensor_bytes(kind, shape[0] * shape[1])
+    return total
+
+
+def kv_bytes(layers: int, kv_heads: int, head_dim: int, context: int, type_k: str = "f16",
+             type_v: str = "f16") -> int:
+    """Bytes of K and V a decode step reads at `context` cached positions (llama.cpp's cache types,
+    "f16" by default; "q8_0" etc. as blocks)."""
+    per_type = layers * kv_heads * head_dim * context
+    return tensor_bytes(type_k, per_type) + tensor_bytes(type_v, per_type)
+
+
+def gguf_tensors(path: Path) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, ggml type, shape) of every tensor in a GGUF file's directory (no payload is read)."""
+    from kvlab.gguf.reader import read_gguf
+
+    return [(info.name, info.type_name, info.shape) for info in read_gguf(path).tensors.values()]
+
+
+def compare_tensors(a: Path, b: Path) -> dict[str, list[str]]:
+    """Tensors of two GGUF files by name: "identical" bytes, "differ" (same type and shape, other bytes),
+    "other_type" (stored in different types or shapes) and "unpaired" (in one file only). kvlab's encoders
+    are llama.cpp's reference encoders, so a kvlab file and llama-quantize's of the same type and source
+    should share every tensor they store alike."""
+    from kvlab.gguf.reader import read_gguf
+
+    fa, fb = read_gguf(a), read_gguf(b)
+    result: dict[str, list[str]] = {"identical": [], "differ": [], "other_type": [], "unpaired": []}
+    for name in sorted(set(fa.tensors) | set(fb.tensors)):
+        ia, ib = fa.tensors.get(name), fb.tensors.get(name)
+        if ia is None or ib is None:
+            result["unpaired"].append(name)
+        elif (ia.type_name, ia.shape) != (ib.type_name, ib.shape):
+            result["other_type"].append(name)
+        else:
+            result["identical" if np.array_equal(fa.raw(name), fb.raw(name)) else "differ"].append(name)
+    return result
+
+
+# --- llama-bench -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BenchRecord:
+    """One llama-bench test: "pp" (a prompt of `tokens`) or "tg" (`tokens` generated one by one) after
+    `depth` cached tokens; tokens/s of the best and of the mean repetition."""
+
+    test: str
+    tokens: int
+    depth: int
+    best_tokens_per_s: float
+    mean_tokens_per_s: float
+    threads: int
+    type_k: str
+    type_v: str
+    flash_attn: str
+
+
+def parse_llama_bench(text: str) -> list[BenchRecord]:
+    """llama-bench's `-o json` output (a JSON array, one object per test) as BenchRecords. A test with both
+    a prompt and generation (-pg) is refused: its tokens/s mixes two things."""
+    records = []
+    for item in json.loads(text):
+        prompt, gen = int(item["n_prompt"]), int(item["n_gen"])
+        if (prompt > 0) == (gen > 0):
+            raise ValueError(f"llama-bench test with n_prompt={prompt}, n_gen={gen}: expected a pp or a tg test")
+        samples = [float(v) for v in item.get("samples_ts") or [item["avg_ts"]]]
+        records.append(BenchRecord(test="pp" if prompt else "tg", tokens=prompt or gen,
+                                   depth=int(item.get("n_depth", 0)), best_tokens_per_s=max(samples),
+                                   mean_tokens_per_s=float(item["avg_ts"]), threads=int(item["n_threads"]),
+                                   type_k=str(item.get("type_k", "f16")), type_v=str(item.get("type_v", "f16")),
+                                   flash_attn=str(item.get("flash_attn", ""))))
+    return records
+
+
+def run_llama_bench(binary: Path, model: Path, threads: int, env: Mapping[str, str], *,
+                    prompts: Sequence[int] = (), gen: int = 0, depths: Sequence[int] = (0,),
+                    repetitions: int = 3) -> list[BenchRecord]:
+    """Run llama-bench once: pp tests of `prompts` tokens and/or a tg test of `gen` tokens, at each depth."""
+    command = [str(binary), "-m", str(model), "-t", str(threads), "-r", str(repetitions), "-o", "json",
+               "-p", ",".join(map(str, prompts)) or "0", "-n", str(gen), "-d", ",".join(map(str, depths))]
+    out = subprocess.run(command, env=dict(env), capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({out.returncode}): {out.stderr.strip()[-2000:]}")
+    return parse_llama_bench(out.stdout)
 
 
 def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -105,9 +236,12 @@ def write_gguf(hf_dir: Path, path: Path, qtype: str) -> None:
 class LlamaCppWorker:
     """One llama.cpp model in a child process; `run(context, steps)` -> (prefill s, median decode s/token)."""
 
-    def __init__(self, model: Path, threads: int, n_ctx: int, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, __file__, "worker", str(model), str(threads), str(n_ctx)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    def __init__(self, model: Path, threads: int, n_ctx: int, env: Mapping[str, str],
+                 logits_all: bool = False) -> None:
+        """`logits_all`: keep the logits of every position (for `all_logits`; costs n_ctx x vocab floats)."""
+        command = [sys.executable, __file__, "worker", str(model), str(threads), str(n_ctx)]
+        self.proc = subprocess.Popen(command + (["logits_all"] if logits_all else []),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=dict(env))
         ready = self.proc.stdout.readline()
         if ready.strip() != "ready":
             raise RuntimeError(f"llama.cpp worker for {model} did not start: {ready!r}")
@@ -125,19 +259,38 @@ class LlamaCppWorker:
         self.proc.stdin.flush()
         return np.array(self.proc.stdout.readline().split(), dtype=np.float32)
 
+    def all_logits(self, ids: list[int]) -> np.ndarray:
+        """llama.cpp's logits [len(ids), vocab] at every position of a fresh prompt of `ids` (the worker
+        must have been started with `logits_all`); passed through a .npy file, read without pickle."""
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "logits.npy"
+            self.proc.stdin.write(f"scores {path} " + " ".join(map(str, ids)) + "\n")
+            self.proc.stdin.flush()
+            answer = self.proc.stdout.readline().strip()
+            if answer != "saved":
+                raise RuntimeError(f"llama.cpp worker did not return logits: {answer!r}")
+            return np.load(path, allow_pickle=False)
+
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
 
 
-def _worker(model: str, threads: int, n_ctx: int) -> None:
+def _worker(model: str, threads: int, n_ctx: int, logits_all: bool) -> None:
     from llama_cpp import Llama
 
     llm = Llama(model, n_ctx=n_ctx, n_batch=min(n_ctx, 4096), n_threads=threads, n_threads_batch=threads,
-                verbose=False)
+                logits_all=logits_all, verbose=False)
     print("ready", flush=True)
     rng = np.random.default_rng(0)
     for line in sys.stdin:
+        if line.startswith("scores "):
+            _, path, *ids = line.split()
+            llm.reset()
+            llm.eval([int(t) for t in ids])
+            np.save(path, np.array(llm.scores[:len(ids)], dtype=np.float32))
+            print("saved", flush=True)
+            continue
         if line.startswith("logits "):
             llm.reset()
             llm.eval([int(t) for t in line.split()[1:]])
@@ -160,7 +313,7 @@ def _worker(model: str, threads: int, n_ctx: int) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "worker":
-        _worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    if len(sys.argv) in (5, 6) and sys.argv[1] == "worker":
+        _worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:] == ["logits_all"])
     else:
         sys.exit(__doc__)

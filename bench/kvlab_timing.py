@@ -1,0 +1,38 @@
+"""kvlab's side of the decode benchmarks: one prefill, then timed decode steps, as every bench measures it."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import numpy as np
+
+
+def kvlab_run(model, prompt: np.ndarray, steps: int, kv_dtype: str | None = None) -> tuple[float, float]:
+    """(prefill seconds, median decode seconds per step) with kvlab's cache (kv_dtype: its storage, None =
+    the model's dtype); prompt [B, T]. Each step feeds the argmax of the last one, as greedy generation does."""
+    cache = model.new_cache(prompt.shape[0], kv_dtype=kv_dtype, capacity=prompt.shape[1] + steps + 1)
+    start = time.perf_counter()
+    logits = model.forward(prompt, cache=cache, logits_to_keep=1).logits
+    prefill = time.perf_counter() - start
+    token = np.argmax(logits[:, -1], axis=-1)[:, None]
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        logits = model.forward(token, cache=cache, logits_to_keep=1).logits
+        token = np.argmax(logits[:, -1], axis=-1)[:, None]
+        times.append(time.perf_counter() - start)
+    return prefill, statistics.median(times)
+
+
+def step_bytes(model, context: int, batch: int = 1) -> int:
+    """Bytes a kvlab decode step reads: every block matrix and the LM head once, as the model keeps them
+    (float, half, or quantized codes + scales: each object's `nbytes`), plus the K/V cache of every
+    sequence at `context` in the compute dtype (what the cache stores by default)."""
+    c = model.config
+    matrices = sum(value.nbytes for layer in model.layers
+                   for value in (getattr(layer, f.name) for f in dataclasses.fields(layer))
+                   if getattr(value, "ndim", 0) == 2)
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * context * np.dtype(model.dtype).itemsize
+    return matrices + model.lm_head.nbytes + kv * batch
