@@ -10,9 +10,12 @@ import numpy as np
 import pytest
 
 from kvlab import Engine, SamplingParams, TinyLlama
+from kvlab.cache.paged import BlockPool
 from kvlab.engine.config import DEFAULT_MAX_KV_BYTES, EngineConfig
-from kvlab.errors import ConfigError
+from kvlab.errors import ConfigError, InputError
 from kvlab.generation.loop import DecodeLoop, StopReason, stop_reason
+from kvlab.prefix.block_hash import block_key, root_key
+from kvlab.prefix.prefix_cache import PrefixCache
 
 BYTES_PER_BLOCK = 2 * 2 * 2 * 16 * 8 * 8  # K and V, 2 layers, 2 KV heads, 16 positions, head_dim 8, float64
 
@@ -215,3 +218,80 @@ def test_a_sequence_that_outgrows_the_whole_pool_finishes_with_length(model):
     assert [len(o[0].outputs[0].token_ids) for o in outs] == [1, 2, 3, 4, 4]
     assert outs[-1][0].finished and outs[-1][0].outputs[0].finish_reason == "length"  # 7 tokens need 4 blocks
     assert not engine.has_unfinished_requests() and engine.block_pool.num_used_blocks == 0
+
+
+# --- the prefix cache's registry, as the engine and the explorer read it -----------------------------------
+
+ROOT = root_key("e" * 64, np.float64, np.float64)
+
+
+def registry(num_blocks=4, block_size=4):
+    pool = BlockPool(1, 1, 2, np.float64, block_size, num_blocks)
+    return pool, PrefixCache(pool)
+
+
+def test_only_a_block_in_use_can_be_registered_and_a_refusal_changes_nothing():
+    pool, cache = registry()
+    with pytest.raises(InputError, match=r"^block 2 is not in use: only computed blocks can be cached$"):
+        cache.register(2, block_key(ROOT, [1, 2, 3, 4]), ROOT, [1, 2, 3, 4])
+    assert cache.num_cached_blocks == 0 and cache.lookup(block_key(ROOT, [1, 2, 3, 4])) is None
+    [block] = pool.allocate(1)
+    assert cache.register(block, block_key(ROOT, [1, 2, 3, 4]), ROOT, np.array([1, 2, 3, 4]))
+    info = cache.cached_info(block)
+    assert info.token_ids == (1, 2, 3, 4) and all(type(t) is int for t in info.token_ids)
+    assert not cache.register(block, block_key(ROOT, [5, 6, 7, 8]), ROOT, [5, 6, 7, 8])  # block taken
+    assert cache.lookup(block_key(ROOT, [5, 6, 7, 8])) is None and cache.num_cached_blocks == 1
+
+
+def test_chains_know_their_parents_and_their_root_while_every_link_is_cached():
+    pool, cache = registry(num_blocks=2)
+    tokens = list(range(8))
+    table = pool.allocate(2)
+    keys = cache.insert(table, tokens, ROOT, 8).keys
+    first, second = (cache.cached_info(b) for b in table)
+    assert (first.parent, second.parent) == (ROOT, keys[0])
+    assert cache.chain_parent(first) is None and cache.chain_parent(second) == keys[0]
+    assert cache.chain_root(first) == ROOT and cache.chain_root(second) == ROOT
+    assert cache.match(tokens, ROOT) == (table, keys)
+    pool.release(table)
+    assert cache.evictable_blocks() == set(table) and cache.num_evictable == 2
+    pool.acquire([table[1]])  # a hit on the second block; the first is the only one the pool can take back
+    assert pool.allocate(1) == [table[0]] and cache.cached_info(table[0]) is None
+    assert cache.chain_root(second) is None  # a link is gone: the chain hangs from nothing
+    assert cache.chain_parent(second) == keys[0]
+    assert cache.match(tokens, ROOT) == ([], [])  # the first block is missing: nothing after it is a hit
+
+
+def test_match_stops_at_a_block_whose_parent_differs():
+    pool, cache = registry()
+    table = pool.allocate(1)
+    other_root = root_key("e" * 64, np.float64, np.float64, "salt")
+    key = block_key(ROOT, [1, 2, 3, 4])
+    assert cache.register(table[0], key, other_root, [1, 2, 3, 4])  # registered under the wrong parent
+    assert cache.match([1, 2, 3, 4, 5], ROOT) == ([], [])
+
+
+def test_invariant_checks_catch_a_registered_free_block_and_a_referenced_evictable_one():
+    pool, cache = registry()
+    table = pool.allocate(1)
+    cache.insert(table, [1, 2, 3, 4], ROOT, 4)
+    cache.check_invariants(set())
+    with pytest.raises(AssertionError, match="a free block is still registered"):
+        cache.check_invariants({table[0]})
+    pool.release(table)
+    cache.check_invariants(set())
+    pool.ref_counts[table[0]] = 1  # as a bug that forgot to revive it would leave it
+    with pytest.raises(AssertionError, match="an evictable block is referenced"):
+        cache.check_invariants(set())
+
+
+def test_a_disabled_prefix_cache_counts_no_queries(model):
+    engine = Engine(model, block_size=4, enable_prefix_caching=False)
+    engine.generate([list(range(12))] * 2, SamplingParams(max_tokens=2, **KEEP_GOING))
+    stats = engine.stats()
+    assert stats["prefix_cache_queries"] == stats["prefix_cache_hits"] == 0
+    enabled = Engine(model, block_size=4)
+    enabled.generate([list(range(12))], SamplingParams(max_tokens=2, **KEEP_GOING))
+    enabled.generate([list(range(12))], SamplingParams(max_tokens=2, **KEEP_GOING))
+    # the second admission finds 2 of its 3 blocks (the last token is always computed)
+    assert (enabled.stats()["prefix_cache_queries"], enabled.stats()["prefix_cache_hits"]) == (24, 8)
