@@ -156,17 +156,19 @@ def main() -> int:
     parser.add_argument("--focus", metavar="NAME", help="a focus of pyproject.toml [tool.kvlab-mutation.focus]")
     args = parser.parse_args()
     global WORK
-    mutants = args.mutants
-    if args.focus:
+    mutants = patterns = args.mutants
+    if args.focus:  # mutmut mutates only the focus's files; names given rerun those mutants
         WORK, patterns = focus_root(args.focus)
-        mutants = mutants or patterns
-    env = {**os.environ, "HYPOTHESIS_PROFILE": "mutation"}
+    # mutmut forks each mutant's run from a process whose tests already ran numba's parallel kernels; GNU
+    # OpenMP (numba's default layer here) kills a forked child that launches one (SIGTERM, "fork() called
+    # from a process already using GNU OpenMP"): every such mutant read as "suspicious". workqueue forks.
+    env = {**os.environ, "HYPOTHESIS_PROFILE": "mutation", "NUMBA_THREADING_LAYER": "workqueue"}
     if not args.report_only:
         mutmut = Path(sys.executable).with_name("mutmut")
         command = [str(mutmut) if mutmut.exists() else "mutmut", "run", "--max-children", str(args.jobs),
                    *mutants]
         subprocess.run(command, cwd=WORK, env=env, check=False)
-    rate = report(mutants if args.focus else None)
+    rate = report(patterns if args.focus else None)
     if not args.no_coverage:
         print("\nbranch coverage of kvlab (whole test suite):", flush=True)
         subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--cov=kvlab",
