@@ -57,3 +57,45 @@ def test_biased_layers_in_the_engine_give_the_reference_tokens():
             for m in (compiled, reference)]
     want = [generate(reference, [p], 6)[0].tolist() for p in prompts]
     assert outs[0] == outs[1] == want
+
+
+def test_a_quantized_model_with_attention_biases_computes_the_dequantized_models_logits(tmp_path):
+    """QuantizedOps adds the q/k/v biases after its products over codes (a Qwen2 GGUF kept as stored)."""
+    import kvlab
+    from gguf_files import small_config, write_gguf
+
+    path = tmp_path / "qwen2.gguf"
+    write_gguf(path, small_config("qwen2", max_position_embeddings=64), types=("Q8_0",))
+    reference, _ = kvlab.load(path, backend="numpy")  # dequantized to float32
+    model, _ = kvlab.load(path, weights_dtype="stored", backend="numba")
+    assert type(model.ops).__name__ == "QuantizedOps" and model.layers[0].b_qkv is not None
+    assert np.abs(model.layers[0].b_qkv).max() > 0
+    ids = np.array([[5, 17, 99, 3, 250, 41, 8]])
+    want = reference.forward(ids).logits
+    scale = float(np.abs(want).max()) + 1
+    assert np.abs(model.forward(ids).logits - want).max() <= 1e-4 * scale  # as tests/test_quantized_weights.py
+
+
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+def test_an_observed_forward_computes_the_same_logits_and_shows_every_layer_its_inputs(backend):
+    """H2O's view (an observer) must not change what is computed: a causal prefill, then a decode step."""
+    model = TinyLlama(seed=2, backend=backend)
+    seen = []
+
+    def observer(layer, q, keys, mask):
+        seen.append((layer, q.shape, keys.shape, None if mask is None else mask.copy()))
+
+    ids = np.array([[3, 1, 4, 1, 5, 9]])
+    observed, plain = model.new_cache(), model.new_cache()
+    got = model.forward(ids, cache=observed, observer=observer).logits
+    np.testing.assert_allclose(got, model.forward(ids, cache=plain).logits, rtol=0, atol=1e-12)
+    heads, kv_heads, d = model.config.num_attention_heads, model.config.num_key_value_heads, model.config.head_dim
+    assert [(layer, q, k) for layer, q, k, _ in seen] == [(0, (1, heads, 6, d), (1, kv_heads, 6, d)),
+                                                         (1, (1, heads, 6, d), (1, kv_heads, 6, d))]
+    causal = np.tril(np.ones((6, 6), dtype=bool))  # the boolean mask of allowed (query, key) pairs
+    assert all(np.array_equal(mask, causal) for *_, mask in seen)
+    seen.clear()
+    step = model.forward([[2]], cache=observed, observer=observer).logits
+    np.testing.assert_allclose(step, model.forward([[2]], cache=plain).logits, rtol=0, atol=1e-12)
+    assert [(layer, k, mask) for layer, _, k, mask in seen] == [(0, (1, kv_heads, 7, d), None),
+                                                                (1, (1, kv_heads, 7, d), None)]  # sees all
