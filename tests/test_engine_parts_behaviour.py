@@ -295,3 +295,14 @@ def test_a_disabled_prefix_cache_counts_no_queries(model):
     enabled.generate([list(range(12))], SamplingParams(max_tokens=2, **KEEP_GOING))
     # the second admission finds 2 of its 3 blocks (the last token is always computed)
     assert (enabled.stats()["prefix_cache_queries"], enabled.stats()["prefix_cache_hits"]) == (24, 8)
+
+
+def test_a_one_token_prompt_is_a_prefill_and_its_decodes_are_not(model):
+    engine = Engine(model, block_size=4)
+    engine.add_request("a", [9], SamplingParams(max_tokens=3, **KEEP_GOING))
+    engine.step()
+    assert (engine.stats()["num_prefill_tokens"], engine.stats()["num_computed_tokens"]) == (1, 1)
+    engine.step()
+    engine.step()
+    assert (engine.stats()["num_prefill_tokens"], engine.stats()["num_computed_tokens"]) == (1, 3)
+    assert engine.stats()["num_generation_tokens"] == 3 and not engine.has_unfinished_requests()
