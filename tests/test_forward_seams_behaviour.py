@@ -136,3 +136,24 @@ def test_the_numpy_backend_computes_quantized_products_without_the_compiled_kern
     monkeypatch.setitem(sys.modules, "kvlab.kernels.qgemv", None)  # importing it now raises ImportError
     for ids, logits in zip((np.arange(40, 45)[None], [[7]]), want):
         np.testing.assert_array_equal(reference.forward(ids).logits, logits)
+
+
+KERNEL_MODULES = ("kvlab.kernels.attention", "kvlab.kernels.prefill_attention", "kvlab.kernels.decode_layer",
+                  "kvlab.kernels.gemv", "kvlab.kernels.qgemv")
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_the_numpy_backend_runs_every_attention_without_the_compiled_kernels(monkeypatch, window):
+    """Contiguous prefill and decode, an observed step and the engine's paged steps on the NumPy backend load
+    no kernel module: the reference is NumPy only, whatever the cache could offer in place."""
+    model = TinyLlama(seed=4, backend="numpy", sliding_window=window)
+    prompts = [list(range(30, 50)), [4, 5, 6]]
+    want = [generate(model, [p], 4)[0].tolist() for p in prompts]
+    for name in KERNEL_MODULES:
+        monkeypatch.setitem(sys.modules, name, None)  # importing any of them now raises ImportError
+    cache = model.new_cache()
+    model.forward([prompts[0]], cache=cache)
+    model.forward([[7]], cache=cache)
+    model.forward([[8]], cache=cache, observer=lambda *args: None)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in Engine(model, block_size=4).generate(prompts, params)] == want
