@@ -306,3 +306,14 @@ def test_a_one_token_prompt_is_a_prefill_and_its_decodes_are_not(model):
     engine.step()
     assert (engine.stats()["num_prefill_tokens"], engine.stats()["num_computed_tokens"]) == (1, 3)
     assert engine.stats()["num_generation_tokens"] == 3 and not engine.has_unfinished_requests()
+
+
+def test_a_chain_that_loops_back_on_itself_hangs_from_no_root():
+    """A tier (or a bug) may register a block as its own parent: chain_root must stop, not loop forever."""
+    pool, cache = registry()
+    [block] = pool.allocate(1)
+    key = block_key(ROOT, [1, 2, 3, 4])
+    assert cache.register(block, key, key, [1, 2, 3, 4])
+    cache.insert(pool.allocate(1), [5, 6, 7, 8], ROOT, 4)  # (a root is known)
+    assert cache.chain_root(cache.cached_info(block)) is None
+    assert cache.chain_parent(cache.cached_info(block)) == key
