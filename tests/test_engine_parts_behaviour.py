@@ -308,6 +308,13 @@ def test_a_one_token_prompt_is_a_prefill_and_its_decodes_are_not(model):
     assert engine.stats()["num_generation_tokens"] == 3 and not engine.has_unfinished_requests()
 
 
+def test_every_block_of_a_long_chain_hangs_from_its_root():
+    pool, cache = registry(num_blocks=8)
+    table = pool.allocate(8)
+    cache.insert(table, list(range(32)), ROOT, 32)
+    assert [cache.chain_root(cache.cached_info(b)) for b in table] == [ROOT] * 8
+
+
 def test_a_chain_that_loops_back_on_itself_hangs_from_no_root():
     """A tier (or a bug) may register a block as its own parent: chain_root must stop, not loop forever."""
     pool, cache = registry()
