@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from kvlab import Engine, SamplingParams, TinyLlama
+from kvlab import ByteTokenizer, Engine, SamplingParams, TinyLlama
 from kvlab.cache.paged import BlockPool
 from kvlab.engine.config import DEFAULT_MAX_KV_BYTES, EngineConfig
 from kvlab.errors import ConfigError, InputError
@@ -324,3 +324,27 @@ def test_a_chain_that_loops_back_on_itself_hangs_from_no_root():
     cache.insert(pool.allocate(1), [5, 6, 7, 8], ROOT, 4)  # (a root is known)
     assert cache.chain_root(cache.cached_info(block)) is None
     assert cache.chain_parent(cache.cached_info(block)) == key
+
+
+def streamed(engine, prompt, params):
+    """Each step's (token ids, text so far) of one request, and its final output."""
+    engine.add_request("r", prompt, params)
+    steps = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            steps.append((list(out.outputs[0].token_ids), out.outputs[0].text))
+    return steps, out.outputs[0]
+
+
+def test_stop_strings_spanning_tokens_cut_the_text_at_the_first_one_to_appear(model):
+    engine = Engine(model, ByteTokenizer(), block_size=4)
+    steps, _ = streamed(engine, "Hello", SamplingParams(max_tokens=16, **KEEP_GOING))
+    text = steps[-2][1]  # the text while streaming (the last output also flushes undecodable bytes)
+    assert len(text) >= 10
+    early, late = text[4:7], text[7:10]  # three characters each, spanning several byte tokens
+    _, out = streamed(engine, "Hello", SamplingParams(max_tokens=16, stop=[late, early], **KEEP_GOING))
+    # the first step whose text holds either string ends it: that token is kept, the text cut before the match
+    first = next(k for k, (_, t) in enumerate(steps) if early in t or late in t)
+    ids, seen = steps[first]
+    assert out.finish_reason == "stop" and out.token_ids == ids
+    assert out.text == seen[:min(i for i in (seen.find(early), seen.find(late)) if i >= 0)]
