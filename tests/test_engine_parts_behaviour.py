@@ -348,3 +348,14 @@ def test_stop_strings_spanning_tokens_cut_the_text_at_the_first_one_to_appear(mo
     ids, seen = steps[first]
     assert out.finish_reason == "stop" and out.token_ids == ids
     assert out.text == seen[:min(i for i in (seen.find(early), seen.find(late)) if i >= 0)]
+
+
+def test_the_loop_is_a_generator_that_runs_nothing_before_the_first_next():
+    step, calls = steps_of(1, [[5], [6]])
+    loop = DecodeLoop(step, lambda logits: logits.argmax(-1), 2, [])
+    assert loop.reason is None and loop.num_new == 0 and calls == []
+    with pytest.raises(TypeError):  # as any generator: nothing can be sent into one that has not started
+        loop.send(3)
+    loop = DecodeLoop(step, lambda logits: logits.argmax(-1), 2, [])
+    assert loop.send(None).tolist() == [5] and loop.reason is None  # send(None) is next()
+    assert next(loop).tolist() == [6] and loop.reason is StopReason.MAX_TOKENS
