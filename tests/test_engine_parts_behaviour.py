@@ -110,6 +110,8 @@ def test_a_zero_token_budget_runs_nothing_and_says_why():
     assert list(loop) == [] and calls == [] and loop.reason is StopReason.MAX_TOKENS
     loop = DecodeLoop(step, lambda logits: logits.argmax(-1), 0, [], room=0)
     assert list(loop) == [] and loop.reason is StopReason.CONTEXT_FULL
+    loop = DecodeLoop(step, lambda logits: logits.argmax(-1), 0, [], room=1)  # room left: the limit ended it
+    assert list(loop) == [] and loop.reason is StopReason.MAX_TOKENS
 
 
 def test_one_token_budget_runs_the_prefill_only():
