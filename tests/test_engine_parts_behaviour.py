@@ -65,6 +65,7 @@ def test_default_pool_holds_max_num_seqs_full_contexts_in_whole_blocks_capped(mo
     # 3 sequences of 17 positions in blocks of 16: two blocks each (a partial block is a whole block)
     assert EngineConfig.create(model, max_num_seqs=3, max_model_len=17).num_blocks == 6
     assert EngineConfig.create(model, max_num_seqs=3, max_model_len=16).num_blocks == 3
+    assert EngineConfig.create(model, max_num_seqs=1, max_model_len=5).num_blocks == 1
     # enough sequences that the full contexts would pass the cap: the cap, in whole blocks (nothing allocated)
     many = EngineConfig.create(model, max_num_seqs=10_000)
     assert 10_000 * math.ceil(2048 / 16) * BYTES_PER_BLOCK > DEFAULT_MAX_KV_BYTES
