@@ -127,9 +127,9 @@ def report(patterns: list[str] | None = None) -> float:
           f"{'pending':>8} {'kill rate':>10}")
     for module, c in rows + [("all", total)]:
         scored = c["total"] - c["equivalent"] - c["not checked"]
-        rate = c["killed"] / scored if scored else 0.0
+        rate = f"{c['killed'] / scored:10.1%}" if scored else f"{'-':>10}"  # none checked yet: no rate
         print(f"{module:34} {c['total']:8} {c['killed']:7} {c['equivalent']:7} {c['survived']:9} "
-              f"{c['no tests']:9} {c['not checked']:8} {rate:10.1%}")
+              f"{c['no tests']:9} {c['not checked']:8} {rate}")
     scored = total["total"] - total["equivalent"] - total["not checked"]
     rate = total["killed"] / scored if scored else 0.0
     print(f"\nkill rate: {total['killed']} killed of {scored} non-equivalent checked mutants = {rate:.1%} "
