@@ -1,0 +1,364 @@
+"""The engine's parts as a caller sees them: EngineConfig's checks and pool sizing, the model runner's batch,
+the scheduler's admission and preemption, the prefix cache's registry. Each test pins a behaviour the
+engine's exactness tests (tests/test_engine.py) do not look at directly."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from kvlab import ByteTokenizer, Engine, SamplingParams, TinyLlama
+from kvlab.cache.paged import BlockPool
+from kvlab.engine.config import DEFAULT_MAX_KV_BYTES, EngineConfig
+from kvlab.errors import ConfigError, InputError
+from kvlab.generation.loop import DecodeLoop, StopReason, stop_reason
+from kvlab.prefix.block_hash import block_key, root_key
+from kvlab.prefix.prefix_cache import PrefixCache
+
+BYTES_PER_BLOCK = 2 * 2 * 2 * 16 * 8 * 8  # K and V, 2 layers, 2 KV heads, 16 positions, head_dim 8, float64
+
+
+@pytest.fixture(scope="module")
+def model():
+    return TinyLlama(seed=5)
+
+
+@pytest.mark.parametrize("settings, named", [
+    (dict(block_size=True), "block_size must be a positive int, got bool True"),
+    (dict(max_num_seqs=0), "max_num_seqs must be a positive int, got 0"),
+    (dict(max_num_batched_tokens=1.5), "max_num_batched_tokens must be a positive int"),
+    (dict(max_model_len=0), "max_model_len must be a positive int, got 0"),
+    (dict(max_model_len=2049), "max_model_len 2049 exceeds the model's context of 2048 tokens"),
+    (dict(enable_prefix_caching="yes"), "enable_prefix_caching must be a bool, got 'yes'"),
+    (dict(kv_cache_dtype="int3"), "unsupported KV cache dtype 'int3'"),
+    (dict(num_blocks=4, kv_cache_memory="1MiB"), "give num_blocks or kv_cache_memory, not both"),
+    (dict(num_blocks=0), "num_blocks must be a positive int, got 0"),
+    (dict(kv_cache_memory="lots"), "kv_cache_memory: cannot read kv_cache_memory 'lots' as a byte count"),
+    (dict(kv_cache_memory=0), "kv_cache_memory: kv_cache_memory must be a positive int, got 0"),
+    (dict(kv_cache_memory="10B"), f"kv_cache_memory '10B' holds no block of {BYTES_PER_BLOCK} bytes"),
+])
+def test_each_bad_setting_is_named_in_its_error(model, settings, named):
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.create(model, **settings)
+    assert str(info.value).startswith(named)
+
+
+def test_a_model_that_is_not_a_llama_model_is_refused():
+    with pytest.raises(ConfigError, match="^model must be a LlamaModel, got str$"):
+        EngineConfig.create("tiny")
+
+
+def test_settings_are_kept_as_given_and_the_pool_sized_from_them(model):
+    config = EngineConfig.create(model, block_size=8, num_blocks=5, max_num_seqs=3, max_num_batched_tokens=7,
+                                 enable_prefix_caching=False, kv_cache_dtype="float16", max_model_len=100)
+    assert (config.block_size, config.num_blocks, config.max_num_seqs, config.max_num_batched_tokens,
+            config.max_model_len, config.enable_prefix_caching) == (8, 5, 3, 7, 100, False)
+    assert config.kv_cache_dtype == np.float16 and config.bytes_per_block == 2 * 2 * 2 * 8 * 8 * 2
+    assert EngineConfig.create(model).max_model_len == 2048  # the model's context by default
+    assert EngineConfig.create(model).enable_prefix_caching is True
+    assert EngineConfig.create(model).kv_cache_dtype == np.float64  # the model's dtype by default
+
+
+def test_default_pool_holds_max_num_seqs_full_contexts_in_whole_blocks_capped(model):
+    # 3 sequences of 17 positions in blocks of 16: two blocks each (a partial block is a whole block)
+    assert EngineConfig.create(model, max_num_seqs=3, max_model_len=17).num_blocks == 6
+    assert EngineConfig.create(model, max_num_seqs=3, max_model_len=16).num_blocks == 3
+    assert EngineConfig.create(model, max_num_seqs=1, max_model_len=5).num_blocks == 1
+    # enough sequences that the full contexts would pass the cap: the cap, in whole blocks (nothing allocated)
+    many = EngineConfig.create(model, max_num_seqs=10_000)
+    assert 10_000 * math.ceil(2048 / 16) * BYTES_PER_BLOCK > DEFAULT_MAX_KV_BYTES
+    assert many.num_blocks == DEFAULT_MAX_KV_BYTES // BYTES_PER_BLOCK
+    # a memory budget buys whole blocks; one byte short of a block buys one block fewer
+    assert EngineConfig.create(model, kv_cache_memory=3 * BYTES_PER_BLOCK - 1).num_blocks == 2
+    assert EngineConfig.create(model, kv_cache_memory=BYTES_PER_BLOCK).num_blocks == 1
+
+
+def test_the_engine_allocates_what_its_config_says(model):
+    engine = Engine(model, block_size=4, num_blocks=9, max_num_seqs=2, max_num_batched_tokens=5)
+    assert engine.block_pool.num_blocks == 9 and engine.block_pool.block_size == 4
+    assert engine.config == EngineConfig.create(model, block_size=4, num_blocks=9, max_num_seqs=2,
+                                                max_num_batched_tokens=5)
+
+
+# --- the decode loop (kvlab/generation/loop.py), which the scheduler's stop checks share ---------------------
+
+
+def test_stop_reasons_read_as_the_cli_prints_them():
+    assert [r.value for r in StopReason] == ["eos", "stop string", "max tokens", "context full", "abort",
+                                             "interrupted"]
+    assert stop_reason(3, 1, (), 1) is StopReason.MAX_TOKENS and stop_reason(3, 1, (), 2) is None
+    assert stop_reason(3, 2, (), 9, room=3) is None and stop_reason(3, 3, (), 9, room=3) is StopReason.CONTEXT_FULL
+
+
+def steps_of(rows, table):
+    """A fake model: step k (0 = the prefill) puts all logits mass on table[k][row]."""
+    calls = []
+
+    def step(tokens):
+        calls.append(None if tokens is None else tokens.copy())
+        logits = np.zeros((rows, 16))
+        logits[np.arange(rows), table[len(calls) - 1]] = 1.0
+        return logits
+
+    return step, calls
+
+
+def test_a_zero_token_budget_runs_nothing_and_says_why():
+    step, calls = steps_of(1, [[5]])
+    loop = DecodeLoop(step, lambda logits: logits.argmax(-1), 0, [])
+    assert list(loop) == [] and calls == [] and loop.reason is StopReason.MAX_TOKENS
+    loop = DecodeLoop(step, lambda logits: logits.argmax(-1), 0, [], room=0)
+    assert list(loop) == [] and loop.reason is StopReason.CONTEXT_FULL
+    loop = DecodeLoop(step, lambda logits: logits.argmax(-1), 0, [], room=1)  # room left: the limit ended it
+    assert list(loop) == [] and loop.reason is StopReason.MAX_TOKENS
+
+
+def test_one_token_budget_runs_the_prefill_only():
+    step, calls = steps_of(1, [[5], [6]])
+    loop = DecodeLoop(step, lambda logits: logits.argmax(-1), 1, [9])
+    assert [t.tolist() for t in loop] == [[5]] and loop.reason is StopReason.MAX_TOKENS and calls == [None]
+    assert loop.num_new == 1
+
+
+def test_single_yields_ints_and_finished_rows_get_the_default_pad_zero():
+    step, _ = steps_of(1, [[5], [6], [7]])
+    loop = DecodeLoop(step, lambda logits: logits.argmax(-1), 3, [], single=True)
+    tokens = list(loop)
+    assert tokens == [5, 6, 7] and all(type(t) is int for t in tokens)
+    step, calls = steps_of(2, [[4, 9], [4, 3], [4, 2]])
+    loop = DecodeLoop(step, lambda logits: logits.argmax(-1), 3, [4])  # row 0 stops at once
+    assert [t.tolist() for t in loop] == [[4, 9], [0, 3], [0, 2]]
+    assert loop.reason is StopReason.MAX_TOKENS and loop.num_new == 3
+    assert [c.tolist() for c in calls[1:]] == [[[4], [9]], [[0], [3]]]  # fed back as [B, 1], pad included
+
+
+def test_closing_or_throwing_into_the_loop_ends_it():
+    step, calls = steps_of(1, [[5]] * 8)
+    loop = DecodeLoop(step, lambda logits: logits.argmax(-1), 8, [])
+    assert next(loop).tolist() == [5]
+    loop.close()
+    with pytest.raises(StopIteration):
+        next(loop)
+    assert len(calls) == 1  # nothing ran after close: the next token was never fed back
+    loop = DecodeLoop(step, lambda logits: logits.argmax(-1), 8, [])
+    next(loop)
+    with pytest.raises(KeyboardInterrupt):
+        loop.throw(KeyboardInterrupt)
+    with pytest.raises(StopIteration):  # the exception ended it
+        loop.send(None)
+
+
+# --- the scheduler, watched step by step through the engine's cache_state (the explorer's picture) ----------
+
+KEEP_GOING = dict(ignore_eos=True)
+
+
+def progress(engine):
+    """(request, sample) -> (status, computed tokens, output tokens, block table) of each unfinished one."""
+    return {(r["request_id"], r["index"]): (r["status"], r["num_computed_tokens"], r["num_output_tokens"],
+                                            r["block_table"]) for r in engine.cache_state()["requests"]}
+
+
+def test_decodes_go_first_and_prefills_are_chunked_to_the_token_budget(model):
+    engine = Engine(model, block_size=4, num_blocks=64, max_num_batched_tokens=5)
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=10, **KEEP_GOING))
+    engine.step()
+    assert progress(engine) == {("a", 0): ("running", 3, 1, [0])}
+    engine.add_request("b", list(range(10, 22)), SamplingParams(max_tokens=10, **KEEP_GOING))
+    seen = []
+    for _ in range(3):  # a decodes one token per step; b's 12-token prompt gets what is left of the 5
+        engine.step()
+        seen.append({k: v[:3] for k, v in progress(engine).items()})
+    assert seen == [{("a", 0): ("running", 4, 2), ("b", 0): ("running", 4, 0)},
+                    {("a", 0): ("running", 5, 3), ("b", 0): ("running", 8, 0)},
+                    {("a", 0): ("running", 6, 4), ("b", 0): ("running", 12, 1)}]
+    assert progress(engine)[("b", 0)][3] == [1, 3, 4]  # blocks allocated as its chunks needed them
+    stats = engine.stats()
+    assert (stats["num_computed_tokens"], stats["num_prefill_tokens"], stats["num_generation_tokens"],
+            stats["num_prompt_tokens"], stats["num_steps"]) == (18, 15, 5, 15, 4)
+
+
+def test_max_num_seqs_counts_the_seats_of_a_request_still_to_fork(model):
+    engine = Engine(model, block_size=4, num_blocks=64, max_num_seqs=2)
+    engine.add_request("pair", [1, 2, 3], SamplingParams(n=2, max_tokens=3, **KEEP_GOING))
+    engine.add_request("solo", [4, 5, 6], SamplingParams(max_tokens=3, **KEEP_GOING))
+    engine.step()  # "pair" sample 0 holds both seats: "solo" waits, "pair" forks at its first token
+    assert {k: v[0] for k, v in progress(engine).items()} == {("pair", 0): "running", ("pair", 1): "running",
+                                                           ("solo", 0): "waiting"}
+    assert engine.stats()["num_running"] == 1 and engine.stats()["num_waiting"] == 1
+    while "pair" in {request for request, _ in progress(engine)}:
+        assert progress(engine)[("solo", 0)][0] == "waiting"  # until both samples of "pair" finished
+        engine.step()
+    engine.step()
+    assert progress(engine)[("solo", 0)][0] == "running"
+
+
+def test_the_newest_running_sequence_is_preempted_and_queued_first(model):
+    engine = Engine(model, block_size=2, num_blocks=4, max_num_seqs=2)
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3, **KEEP_GOING))
+    engine.add_request("b", [7, 8, 9], SamplingParams(max_tokens=10, **KEEP_GOING))
+    engine.add_request("c", [4, 5, 6], SamplingParams(max_tokens=10, **KEEP_GOING))  # no seat left: waits
+    engine.step()
+    engine.step()  # 4 tokens each computed, every block in use
+    assert progress(engine) == {("a", 0): ("running", 4, 2, [0, 1]), ("b", 0): ("running", 4, 2, [2, 3]),
+                                ("c", 0): ("waiting", 0, 0, [])}
+    outs = engine.step()  # a needs a third block: b, admitted after it, gives its blocks back; a finishes
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in outs] == [("a", "length")]
+    assert progress(engine) == {("b", 0): ("waiting", 0, 2, []), ("c", 0): ("waiting", 0, 0, [])}
+    assert engine.stats()["num_preemptions"] == 1
+    engine.step()  # b is first in line, its 2 tokens kept; c does not fit beside it
+    assert progress(engine) == {("b", 0): ("running", 5, 3, [2, 3, 1]), ("c", 0): ("waiting", 0, 0, [])}
+    # its first full block (2) was still cached: a hit of 2 tokens (a took its tail block, released first)
+    assert engine.stats()["prefix_cache_hits"] == 2 and engine.stats()["prefix_cache_queries"] == 3 + 3 + 5
+
+
+def test_a_sequence_that_outgrows_the_whole_pool_finishes_with_length(model):
+    engine = Engine(model, block_size=2, num_blocks=3)
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=20, **KEEP_GOING))
+    outs = [engine.step() for _ in range(5)]
+    assert [len(o[0].outputs[0].token_ids) for o in outs] == [1, 2, 3, 4, 4]
+    assert outs[-1][0].finished and outs[-1][0].outputs[0].finish_reason == "length"  # 7 tokens need 4 blocks
+    assert not engine.has_unfinished_requests() and engine.block_pool.num_used_blocks == 0
+
+
+# --- the prefix cache's registry, as the engine and the explorer read it -----------------------------------
+
+ROOT = root_key("e" * 64, np.float64, np.float64)
+
+
+def registry(num_blocks=4, block_size=4):
+    pool = BlockPool(1, 1, 2, np.float64, block_size, num_blocks)
+    return pool, PrefixCache(pool)
+
+
+def test_only_a_block_in_use_can_be_registered_and_a_refusal_changes_nothing():
+    pool, cache = registry()
+    with pytest.raises(InputError, match=r"^block 2 is not in use: only computed blocks can be cached$"):
+        cache.register(2, block_key(ROOT, [1, 2, 3, 4]), ROOT, [1, 2, 3, 4])
+    assert cache.num_cached_blocks == 0 and cache.lookup(block_key(ROOT, [1, 2, 3, 4])) is None
+    [block] = pool.allocate(1)
+    assert cache.register(block, block_key(ROOT, [1, 2, 3, 4]), ROOT, np.array([1, 2, 3, 4]))
+    info = cache.cached_info(block)
+    assert info.token_ids == (1, 2, 3, 4) and all(type(t) is int for t in info.token_ids)
+    assert not cache.register(block, block_key(ROOT, [5, 6, 7, 8]), ROOT, [5, 6, 7, 8])  # block taken
+    assert cache.lookup(block_key(ROOT, [5, 6, 7, 8])) is None and cache.num_cached_blocks == 1
+
+
+def test_chains_know_their_parents_and_their_root_while_every_link_is_cached():
+    pool, cache = registry(num_blocks=2)
+    tokens = list(range(8))
+    table = pool.allocate(2)
+    keys = cache.insert(table, tokens, ROOT, 8).keys
+    first, second = (cache.cached_info(b) for b in table)
+    assert (first.parent, second.parent) == (ROOT, keys[0])
+    assert cache.chain_parent(first) is None and cache.chain_parent(second) == keys[0]
+    assert cache.chain_root(first) == ROOT and cache.chain_root(second) == ROOT
+    assert cache.match(tokens, ROOT) == (table, keys)
+    pool.release(table)
+    assert cache.evictable_blocks() == set(table) and cache.num_evictable == 2
+    pool.acquire([table[1]])  # a hit on the second block; the first is the only one the pool can take back
+    assert pool.allocate(1) == [table[0]] and cache.cached_info(table[0]) is None
+    assert cache.chain_root(second) is None  # a link is gone: the chain hangs from nothing
+    assert cache.chain_parent(second) == keys[0]
+    assert cache.match(tokens, ROOT) == ([], [])  # the first block is missing: nothing after it is a hit
+
+
+def test_match_stops_at_a_block_whose_parent_differs():
+    pool, cache = registry()
+    table = pool.allocate(1)
+    other_root = root_key("e" * 64, np.float64, np.float64, "salt")
+    key = block_key(ROOT, [1, 2, 3, 4])
+    assert cache.register(table[0], key, other_root, [1, 2, 3, 4])  # registered under the wrong parent
+    assert cache.match([1, 2, 3, 4, 5], ROOT) == ([], [])
+
+
+def test_invariant_checks_catch_a_registered_free_block_and_a_referenced_evictable_one():
+    pool, cache = registry()
+    table = pool.allocate(1)
+    cache.insert(table, [1, 2, 3, 4], ROOT, 4)
+    cache.check_invariants(set())
+    with pytest.raises(AssertionError, match="a free block is still registered"):
+        cache.check_invariants({table[0]})
+    pool.release(table)
+    cache.check_invariants(set())
+    pool.ref_counts[table[0]] = 1  # as a bug that forgot to revive it would leave it
+    with pytest.raises(AssertionError, match="an evictable block is referenced"):
+        cache.check_invariants(set())
+
+
+def test_a_disabled_prefix_cache_counts_no_queries(model):
+    engine = Engine(model, block_size=4, enable_prefix_caching=False)
+    engine.generate([list(range(12))] * 2, SamplingParams(max_tokens=2, **KEEP_GOING))
+    stats = engine.stats()
+    assert stats["prefix_cache_queries"] == stats["prefix_cache_hits"] == 0
+    enabled = Engine(model, block_size=4)
+    enabled.generate([list(range(12))], SamplingParams(max_tokens=2, **KEEP_GOING))
+    enabled.generate([list(range(12))], SamplingParams(max_tokens=2, **KEEP_GOING))
+    # the second admission finds 2 of its 3 blocks (the last token is always computed)
+    assert (enabled.stats()["prefix_cache_queries"], enabled.stats()["prefix_cache_hits"]) == (24, 8)
+
+
+def test_a_one_token_prompt_is_a_prefill_and_its_decodes_are_not(model):
+    engine = Engine(model, block_size=4)
+    engine.add_request("a", [9], SamplingParams(max_tokens=3, **KEEP_GOING))
+    engine.step()
+    assert (engine.stats()["num_prefill_tokens"], engine.stats()["num_computed_tokens"]) == (1, 1)
+    engine.step()
+    engine.step()
+    assert (engine.stats()["num_prefill_tokens"], engine.stats()["num_computed_tokens"]) == (1, 3)
+    assert engine.stats()["num_generation_tokens"] == 3 and not engine.has_unfinished_requests()
+
+
+def test_every_block_of_a_long_chain_hangs_from_its_root():
+    pool, cache = registry(num_blocks=8)
+    table = pool.allocate(8)
+    cache.insert(table, list(range(32)), ROOT, 32)
+    assert [cache.chain_root(cache.cached_info(b)) for b in table] == [ROOT] * 8
+
+
+def test_a_chain_that_loops_back_on_itself_hangs_from_no_root():
+    """A tier (or a bug) may register a block as its own parent: chain_root must stop, not loop forever."""
+    pool, cache = registry()
+    [block] = pool.allocate(1)
+    key = block_key(ROOT, [1, 2, 3, 4])
+    assert cache.register(block, key, key, [1, 2, 3, 4])
+    cache.insert(pool.allocate(1), [5, 6, 7, 8], ROOT, 4)  # (a root is known)
+    assert cache.chain_root(cache.cached_info(block)) is None
+    assert cache.chain_parent(cache.cached_info(block)) == key
+
+
+def streamed(engine, prompt, params):
+    """Each step's (token ids, text so far) of one request, and its final output."""
+    engine.add_request("r", prompt, params)
+    steps = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            steps.append((list(out.outputs[0].token_ids), out.outputs[0].text))
+    return steps, out.outputs[0]
+
+
+def test_stop_strings_spanning_tokens_cut_the_text_at_the_first_one_to_appear(model):
+    engine = Engine(model, ByteTokenizer(), block_size=4)
+    steps, _ = streamed(engine, "Hello", SamplingParams(max_tokens=16, **KEEP_GOING))
+    text = steps[-2][1]  # the text while streaming (the last output also flushes undecodable bytes)
+    assert len(text) >= 10
+    early, late = text[4:7], text[7:10]  # three characters each, spanning several byte tokens
+    _, out = streamed(engine, "Hello", SamplingParams(max_tokens=16, stop=[late, early], **KEEP_GOING))
+    # the first step whose text holds either string ends it: that token is kept, the text cut before the match
+    first = next(k for k, (_, t) in enumerate(steps) if early in t or late in t)
+    ids, seen = steps[first]
+    assert out.finish_reason == "stop" and out.token_ids == ids
+    assert out.text == seen[:min(i for i in (seen.find(early), seen.find(late)) if i >= 0)]
+
+
+def test_the_loop_is_a_generator_that_runs_nothing_before_the_first_next():
+    step, calls = steps_of(1, [[5], [6]])
+    loop = DecodeLoop(step, lambda logits: logits.argmax(-1), 2, [])
+    assert loop.reason is None and loop.num_new == 0 and calls == []
+    with pytest.raises(TypeError):  # as any generator: nothing can be sent into one that has not started
+        loop.send(3)
+    loop = DecodeLoop(step, lambda logits: logits.argmax(-1), 2, [])
+    assert loop.send(None).tolist() == [5] and loop.reason is None  # send(None) is next()
+    assert next(loop).tolist() == [6] and loop.reason is StopReason.MAX_TOKENS

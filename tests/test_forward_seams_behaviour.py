@@ -1,0 +1,159 @@
+"""The layer loop's two seams (model/ops.py, model/attention.py) as the model uses them: each backend's Ops
+and each Attention give the same logits as the NumPy reference, on the paths the other tests reach least."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from kvlab import Engine, SamplingParams, TinyLlama, generate
+from kvlab.config import tiny_config
+from kvlab.model.llama import LlamaModel
+from kvlab.model.quantized import quantize_weights
+from kvlab.model.weights import random_weights
+from kvlab.model.attention import ContiguousAttention, ObservedAttention
+
+
+def test_an_observed_attention_refuses_one_that_reads_the_cache_in_place():
+    model = TinyLlama(seed=1, backend="numba")
+    in_place = ContiguousAttention(None, np.arange(3), 1, model.config, True, model.dtype)
+    with pytest.raises(ValueError, match=r"^an observed attention must gather \(build it with compiled=False\)$"):
+        ObservedAttention(in_place, lambda *args: None)
+
+
+def biased_models():
+    """The tiny config with attention biases (q/k/v and, as Llama's attention_bias has it, o_proj), on the
+    compiled and the NumPy backend, the same random float64 weights (biases drawn, not zero)."""
+    config = tiny_config(attention_bias=True)
+    weights = random_weights(config, seed=3)
+    rng = np.random.default_rng(4)
+    for i in range(config.num_hidden_layers):
+        weights[f"model.layers.{i}.self_attn.o_proj.bias"] = rng.standard_normal(config.hidden_size)
+    return [LlamaModel(config, weights, dtype=np.float64, backend=b) for b in ("numba", "numpy")], weights
+
+
+def test_biased_layers_give_the_reference_logits_on_the_compiled_paths():
+    (compiled, reference), weights = biased_models()
+    prompt = np.arange(40, 60)[None]  # 20 rows: the BLAS path; then single rows: the fused block kernels
+    caches = [m.new_cache() for m in (compiled, reference)]
+    steps = [prompt, [[7]], [[8]], [[9]]]
+    for ids in steps:
+        got, want = (m.forward(ids, cache=c).logits for m, c in zip((compiled, reference), caches))
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-10)
+    # the full recompute of every position agrees with the cached steps (the biases enter K and V too)
+    full = reference.forward(np.concatenate([prompt[0], [7, 8, 9]])[None]).logits[0, -1]
+    np.testing.assert_allclose(want[0, -1], full, rtol=0, atol=1e-10)
+    # and the o_proj bias is in the sum: without it the logits move
+    for name in [n for n in weights if n.endswith("o_proj.bias")]:
+        weights[name] = np.zeros_like(weights[name])
+    unbiased = LlamaModel(reference.config, weights, dtype=np.float64, backend="numpy")
+    assert np.abs(unbiased.forward(prompt).logits - reference.forward(prompt).logits).max() > 1e-3
+
+
+def test_biased_layers_in_the_engine_give_the_reference_tokens():
+    (compiled, reference), _ = biased_models()
+    prompts = [list(range(3, 25)), [5, 6, 7]]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    outs = [[o.outputs[0].token_ids for o in Engine(m, block_size=4).generate(prompts, params)]
+            for m in (compiled, reference)]
+    want = [generate(reference, [p], 6)[0].tolist() for p in prompts]
+    assert outs[0] == outs[1] == want
+
+
+def test_a_quantized_model_with_attention_biases_computes_the_dequantized_models_logits(tmp_path):
+    """QuantizedOps adds the q/k/v biases after its products over codes (a Qwen2 GGUF kept as stored)."""
+    import kvlab
+    from gguf_files import small_config, write_gguf
+
+    path = tmp_path / "qwen2.gguf"
+    write_gguf(path, small_config("qwen2", max_position_embeddings=64), types=("Q8_0",))
+    reference, _ = kvlab.load(path, backend="numpy")  # dequantized to float32
+    model, _ = kvlab.load(path, weights_dtype="stored", backend="numba")
+    assert type(model.ops).__name__ == "QuantizedOps" and model.layers[0].b_qkv is not None
+    assert np.abs(model.layers[0].b_qkv).max() > 0
+    ids = np.array([[5, 17, 99, 3, 250, 41, 8]])
+    want = reference.forward(ids).logits
+    scale = float(np.abs(want).max()) + 1
+    assert np.abs(model.forward(ids).logits - want).max() <= 1e-4 * scale  # as tests/test_quantized_weights.py
+
+
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+def test_an_observed_forward_computes_the_same_logits_and_shows_every_layer_its_inputs(backend):
+    """H2O's view (an observer) must not change what is computed: a causal prefill, then a decode step."""
+    model = TinyLlama(seed=2, backend=backend)
+    seen = []
+
+    def observer(layer, q, keys, mask):
+        seen.append((layer, q.shape, keys.shape, None if mask is None else mask.copy()))
+
+    ids = np.array([[3, 1, 4, 1, 5, 9]])
+    observed, plain = model.new_cache(), model.new_cache()
+    got = model.forward(ids, cache=observed, observer=observer).logits
+    np.testing.assert_allclose(got, model.forward(ids, cache=plain).logits, rtol=0, atol=1e-12)
+    heads, kv_heads, d = model.config.num_attention_heads, model.config.num_key_value_heads, model.config.head_dim
+    assert [(layer, q, k) for layer, q, k, _ in seen] == [(0, (1, heads, 6, d), (1, kv_heads, 6, d)),
+                                                         (1, (1, heads, 6, d), (1, kv_heads, 6, d))]
+    causal = np.tril(np.ones((6, 6), dtype=bool))  # the boolean mask of allowed (query, key) pairs
+    assert all(np.array_equal(mask, causal) for *_, mask in seen)
+    seen.clear()
+    step = model.forward([[2]], cache=observed, observer=observer).logits
+    np.testing.assert_allclose(step, model.forward([[2]], cache=plain).logits, rtol=0, atol=1e-12)
+    assert [(layer, k, mask) for layer, _, k, mask in seen] == [(0, (1, kv_heads, 7, d), None),
+                                                                (1, (1, kv_heads, 7, d), None)]  # sees all
+
+
+def quantized_biased_models():
+    """The biased tiny config (o_proj bias too) quantized to Q8_0 at load: QuantizedOps and NumpyOps."""
+    config = tiny_config(attention_bias=True)
+    weights = random_weights(config, seed=3, dtype=np.float32)
+    rng = np.random.default_rng(4)
+    for i in range(config.num_hidden_layers):
+        weights[f"model.layers.{i}.self_attn.o_proj.bias"] = rng.standard_normal(config.hidden_size).astype(np.float32)
+    return [LlamaModel(config, quantize_weights(weights, "q8_0"), dtype=np.float32, backend=b)
+            for b in ("numba", "numpy")], weights
+
+
+def test_quantized_products_add_every_bias_on_both_backends():
+    (compiled, reference), weights = quantized_biased_models()
+    assert type(compiled.ops).__name__ == "QuantizedOps" and reference.quantized
+    for ids in (np.arange(40, 60)[None], np.arange(40, 45)[None]):  # tiles + BLAS, then the kernel over codes
+        want = reference.forward(ids).logits
+        scale = float(np.abs(want).max()) + 1
+        assert np.abs(compiled.forward(ids).logits - want).max() <= 1e-4 * scale  # measured 1.2e-6 (scale 5.5)
+    for name in [n for n in weights if n.endswith("o_proj.bias")]:
+        weights[name] = np.zeros_like(weights[name])
+    unbiased = LlamaModel(compiled.config, quantize_weights(weights, "q8_0"), dtype=np.float32, backend="numba")
+    assert np.abs(unbiased.forward(ids).logits - compiled.forward(ids).logits).max() > 0.1  # measured 4.1
+
+
+def test_the_numpy_backend_computes_quantized_products_without_the_compiled_kernels(monkeypatch):
+    """The reference is NumPy only (model/ops.py): a quantized weight's product there never loads a kernel,
+    even for the few rows where the compiled backend would use one."""
+    (_, reference), _ = quantized_biased_models()
+    want = [reference.forward(ids).logits for ids in (np.arange(40, 45)[None], [[7]])]
+    monkeypatch.setitem(sys.modules, "kvlab.kernels.qgemv", None)  # importing it now raises ImportError
+    for ids, logits in zip((np.arange(40, 45)[None], [[7]]), want):
+        np.testing.assert_array_equal(reference.forward(ids).logits, logits)
+
+
+KERNEL_MODULES = ("kvlab.kernels.attention", "kvlab.kernels.prefill_attention", "kvlab.kernels.decode_layer",
+                  "kvlab.kernels.gemv", "kvlab.kernels.qgemv")
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_the_numpy_backend_runs_every_attention_without_the_compiled_kernels(monkeypatch, window):
+    """Contiguous prefill and decode, an observed step and the engine's paged steps on the NumPy backend load
+    no kernel module: the reference is NumPy only, whatever the cache could offer in place."""
+    model = TinyLlama(seed=4, backend="numpy", sliding_window=window)
+    prompts = [list(range(30, 50)), [4, 5, 6]]
+    want = [generate(model, [p], 4)[0].tolist() for p in prompts]
+    for name in KERNEL_MODULES:
+        monkeypatch.setitem(sys.modules, name, None)  # importing any of them now raises ImportError
+    cache = model.new_cache()
+    model.forward([prompts[0]], cache=cache)
+    model.forward([[7]], cache=cache)
+    model.forward([[8]], cache=cache, observer=lambda *args: None)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in Engine(model, block_size=4).generate(prompts, params)] == want
