@@ -53,7 +53,10 @@ def cache_state(engine: "Engine") -> dict[str, Any]:
     owners: dict[int, tuple[Sequence, int]] = {}  # block -> (a sequence holding it, its index there)
     for seq in sched.running:
         for index, block in enumerate(seq.block_table):
-            owners.setdefault(block, (seq, index))
+            if block >= 0:  # not a released (NULL) entry
+                owners.setdefault(block, (seq, index))
+        for index, block in enumerate(seq.kv_view.sink_source if seq.kv_view is not None else ()):
+            owners.setdefault(block, (seq, index))  # a policy's sink rows as computed
     blocks = []
     stored_tokens = 0
     for block in range(pool.num_blocks):
