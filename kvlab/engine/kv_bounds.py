@@ -154,8 +154,11 @@ class KVBounds:
                 table[index] = NULL_BLOCK
 
     def sink_blocks_needed(self, seq: Sequence) -> int:
-        """New blocks `place_sinks` will allocate (shared or registered blocks under the sink rows)."""
-        return sum(1 for index in self._sink_indices(seq) if not self._private(seq, seq.block_table[index]))
+        """Free blocks `place_sinks` will take: one per shared block under the sink rows (a registered block
+        only this sequence holds is released first and may come straight back, so it costs none)."""
+        return sum(1 for index in self._sink_indices(seq)
+                   if not self._private(seq, seq.block_table[index])
+                   and self.pool.ref_counts[seq.block_table[index]] > 1)
 
     def place_sinks(self, seq: Sequence) -> None:
         """Write the prefix rows, re-rotated by view_start, at positions view_start..window_start-1."""
@@ -166,9 +169,12 @@ class KVBounds:
         for index in self._sink_indices(seq):
             block = seq.block_table[index]
             if not self._private(seq, block):
-                [copy] = self.pool.allocate(1)
-                self.pool.copy_block(block, copy, size)  # rows past the sinks may be live tail rows
+                # release first: its rows stay intact until a block is allocated, and if the pool hands
+                # this very block back (it was cached and only ours) it is already ours alone
                 self.pool.release([block])
+                [copy] = self.pool.allocate(1)
+                if copy != block:
+                    self.pool.copy_block(block, copy, size)  # rows past the sinks may be live tail rows
                 seq.block_table[index] = copy
         source = np.asarray([view.sink_source], dtype=np.int64)
         slots = slot_mapping(seq.block_table, view.view_start, view.prefix, size)
