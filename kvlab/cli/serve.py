@@ -62,6 +62,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     engine.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per step (default 64)")
     engine.add_argument("--max-num-batched-tokens", type=int, default=512,
                         help="most tokens per step; longer prompts are prefilled in chunks (default 512)")
+    engine.add_argument("--kv-policy", default=None, metavar="POLICY",
+                        help="a cache policy run inside the engine, so a long chat holds a bounded number of "
+                             "blocks: window:W (the last W tokens), sinks:S:W (the first S plus the last W), "
+                             "shift:KEEP[:BUDGET]; same outputs as kvlab generate --cache-policy (default: "
+                             "exact, every block kept)")
     engine.add_argument("--max-waiting", type=int, default=256,
                         help="most requests waiting for admission; more get 429 (default 256)")
     # kvlab tier/events flags (issue 23)
@@ -105,7 +110,8 @@ def build_engine(args: argparse.Namespace):
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=kv_dtype,
                     max_model_len=args.max_model_len, kv_tiers=getattr(args, "kv_tier", None),
-                    kv_events_config=getattr(args, "kv_events_config", None))
+                    kv_events_config=getattr(args, "kv_events_config", None),
+                    kv_policy=getattr(args, "kv_policy", None))
     name = gguf.stem if gguf is not None else args.model if args.model is not None else folder.name
     return engine, tokenizer, name, str(folder)
 
@@ -154,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvlab serve: {names[0]} on http://{args.host}:{args.port} (explorer at /, metrics at /metrics) | "
           f"{pool.num_blocks} blocks x {args.block_size} tokens | max_model_len {engine.max_model_len} | "
           f"prefix caching {'on' if args.enable_prefix_caching else 'off'}"
+          + (f" | kv policy {engine.kv_policy}" if engine.kv_policy is not None else "")
           + (f" | kv tier {', '.join(engine.cache_listener.tier.names)}" if args.kv_tier else "")
           + (f" | kv events on {engine.cache_listener.events.config.endpoint}"
              if engine.cache_listener is not None and engine.cache_listener.events is not None else "")

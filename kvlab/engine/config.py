@@ -1,7 +1,8 @@
 """EngineConfig: the engine's constructor arguments, checked and resolved once, before anything is allocated.
 
 vLLM's names (block_size, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens,
-enable_prefix_caching, kv_cache_dtype, max_model_len). The pool's size comes from kvlab/cache/memory.py,
+enable_prefix_caching, kv_cache_dtype, max_model_len) and kvlab's `kv_policy` (a cache policy run inside the
+engine: kvlab/engine/kv_bounds.py). The pool's size comes from kvlab/cache/memory.py,
 which also sizes `kvlab memory`, so the bytes a budget buys are the bytes the pool allocates (int8/int4
 scales included), as a whole number of blocks.
 """
@@ -20,6 +21,13 @@ from kvlab.cache.memory import kv_bytes_per_block
 from kvlab.cache.quant import QuantFormat
 from kvlab.errors import ConfigError, InputError
 from kvlab.model.llama import LlamaModel
+from kvlab.policies.base import Policy
+from kvlab.policies.parse import parse_policy
+from kvlab.policies.shift import ContextShift
+from kvlab.policies.sinks import AttentionSinks
+from kvlab.policies.window import SlidingWindow
+
+ENGINE_POLICIES = (SlidingWindow, AttentionSinks, ContextShift)  # a kept prefix plus a tail (kv_bounds.py)
 
 DEFAULT_MAX_KV_BYTES = 1 << 30  # the default pool (max_num_seqs full-context sequences) is capped at 1 GiB
 
@@ -36,12 +44,14 @@ class EngineConfig:
     enable_prefix_caching: bool
     kv_cache_dtype: np.dtype | QuantFormat
     bytes_per_block: int
+    kv_policy: Policy | None = None  # window / sinks / shift; stateless, so shared by every sequence
 
     @classmethod
     def create(cls, model: Any, *, block_size: int = 16, num_blocks: int | None = None,
                kv_cache_memory: int | str | None = None, max_num_seqs: int = 64,
                max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
-               kv_cache_dtype: object = None, max_model_len: int | None = None) -> "EngineConfig":
+               kv_cache_dtype: object = None, max_model_len: int | None = None,
+               kv_policy: str | Policy | None = None) -> "EngineConfig":
         """Check every argument against `model` (ConfigError naming the first bad one) and size the pool:
         `num_blocks`, or as many blocks as `kv_cache_memory` holds, or enough for max_num_seqs full-context
         sequences capped at DEFAULT_MAX_KV_BYTES."""
@@ -83,5 +93,47 @@ class EngineConfig:
         else:
             num_blocks = max(1, min(max_num_seqs * math.ceil(max_model_len / block_size),
                                     DEFAULT_MAX_KV_BYTES // bytes_per_block))
+        policy = _engine_policy(kv_policy, config, max_model_len)
+        if policy is not None:
+            need = math.ceil(policy.budget / block_size) + 1 + math.ceil(_prefix_rows(policy) / block_size)
+            if need > num_blocks:
+                raise ConfigError(f"kv_policy {policy} holds up to {need} blocks of {block_size} tokens at "
+                                  f"once but the pool has {num_blocks}: give a smaller policy or more memory")
         return cls(block_size, num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len,
-                   enable_prefix_caching, kv_dtype, bytes_per_block)
+                   enable_prefix_caching, kv_dtype, bytes_per_block, policy)
+
+
+def _prefix_rows(policy: Policy) -> int:
+    return int(getattr(policy, "sinks", getattr(policy, "n_keep", 0)))
+
+
+def _engine_policy(spec: object, config: Any, max_model_len: int) -> Policy | None:
+    """The Policy `spec` names (a policy string or a Policy), checked for the paged engine; None: exact."""
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        try:
+            policy = parse_policy(spec, max_model_len)
+        except InputError as exc:
+            raise ConfigError(f"kv_policy: {exc}") from None
+        if policy is None:
+            return None
+    elif isinstance(spec, Policy):
+        policy = spec
+    else:
+        raise ConfigError(f"kv_policy must be a policy string (e.g. 'sinks:4:60') or a Policy, got {spec!r}")
+    if not isinstance(policy, ENGINE_POLICIES):
+        raise ConfigError(f"kv_policy {policy} cannot run in the paged engine: it keeps rows by attention "
+                          "scores, which the engine's batched attention does not observe; use window:W, "
+                          "sinks:S:W or shift:KEEP[:BUDGET] (or kvlab generate --cache-policy)")
+    if policy.budget > max_model_len:
+        raise ConfigError(f"kv_policy {policy} holds {policy.budget} tokens but max_model_len is "
+                          f"{max_model_len}")
+    if isinstance(policy, AttentionSinks) and policy.sinks >= policy.window:
+        raise ConfigError(f"kv_policy {policy}: {policy.sinks} sink tokens need a larger window than "
+                          f"{policy.window} (StreamingLLM keeps a few sinks beside a long window)")
+    if config.sliding_window:
+        raise ConfigError(f"kv_policy {policy} on a sliding-window model (sliding_window "
+                          f"{config.sliding_window}): the model already bounds what it attends to; "
+                          "leave kv_policy unset")
+    return policy

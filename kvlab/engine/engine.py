@@ -19,6 +19,7 @@ from kvlab import validate
 from kvlab.cache.paged import BlockPool
 from kvlab.engine.config import DEFAULT_MAX_KV_BYTES, EngineConfig  # noqa: F401 (DEFAULT_MAX_KV_BYTES: API)
 from kvlab.engine.introspection import StepCounters, cache_state, engine_stats
+from kvlab.engine.kv_bounds import KVBounds
 from kvlab.engine.model_runner import ModelRunner
 from kvlab.engine.request import Request, RequestOutput, Sequence, Status
 from kvlab.engine.scheduler import Scheduler
@@ -42,7 +43,9 @@ class Engine:
     def __init__(self, model: LlamaModel, tokenizer: Any = None, *, kv_tiers: Seq[Any] | None = None,
                  kv_events_config: Any = None, **settings: Any) -> None:
         """`settings`: EngineConfig.create's keywords (block_size, num_blocks, kv_cache_memory, max_num_seqs,
-        max_num_batched_tokens, enable_prefix_caching, kv_cache_dtype, max_model_len). `kv_tiers`: shared
+        max_num_batched_tokens, enable_prefix_caching, kv_cache_dtype, max_model_len, kv_policy: a cache
+        policy such as 'sinks:4:60' or 'window:W' run inside the engine, so a sequence holds a bounded
+        number of blocks and its prompt may outgrow max_model_len: kvlab/engine/kv_bounds.py). `kv_tiers`: shared
         K/V tier URLs behind the prefix cache, tried in order (redis://, valkey://, file:///dir);
         `kv_events_config`: vLLM's KV events config (kvlab/tier, kvlab/events)."""
         self.config = config = EngineConfig.create(model, **settings)
@@ -61,9 +64,12 @@ class Engine:
         if self.cache_listener is not None:
             self.prefix_cache.listeners.append(self.cache_listener)
         self.counters = StepCounters()
+        self.kv_policy = config.kv_policy
+        self.bounds = KVBounds(self.block_pool, self.prefix_cache, model.inv_freq, config.kv_policy,
+                               c.sliding_window, config.max_num_batched_tokens)
         self.scheduler = Scheduler(self.block_pool, self.prefix_cache, config.max_num_seqs,
-                                   config.max_num_batched_tokens, self.counters)
-        self.runner = ModelRunner(model, self.block_pool, self.prefix_cache, self.counters)
+                                   config.max_num_batched_tokens, self.counters, self.bounds)
+        self.runner = ModelRunner(model, self.block_pool, self.prefix_cache, self.counters, self.bounds)
         eos = getattr(tokenizer, "eos_token_ids", None) if tokenizer is not None else None
         self.eos_token_ids = frozenset(int(i) for i in (eos if eos else c.eos_token_ids))
         self._requests: dict[str, Request] = {}     # unfinished
@@ -91,15 +97,17 @@ class Engine:
             raise InputError(f"n={params.n} samples can never run at once with max_num_seqs="
                              f"{self.scheduler.max_num_seqs}")
         wanted = params.max_tokens if params.max_tokens is not None else 1
-        if len(ids) + wanted > self.max_model_len:
+        if self.kv_policy is None and len(ids) + wanted > self.max_model_len:  # a policy keeps its budget
             raise ContextLengthError(
                 f"{len(ids)} prompt tokens + {wanted} new tokens exceed max_model_len "
                 f"{self.max_model_len}")
         pool = self.block_pool
-        if pool.blocks_for(len(ids) + 1) > pool.num_blocks:
-            raise InputError(f"a prompt of {len(ids)} tokens needs {pool.blocks_for(len(ids) + 1)} blocks of "
+        need = self.bounds.max_blocks(len(ids) + 1)
+        if need > pool.num_blocks:
+            raise InputError(f"a prompt of {len(ids)} tokens needs {need} blocks of "
                              f"{pool.block_size} but the pool holds only {pool.num_blocks}: it could never run")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else \
+            self.max_model_len if self.kv_policy is not None else self.max_model_len - len(ids)
         root = root_key(self.model.fingerprint, self.model.dtype, self.kv_cache_dtype, cache_salt)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         request = Request(request_id, ids, params, root, max_tokens, stop_ids)

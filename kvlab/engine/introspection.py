@@ -53,7 +53,10 @@ def cache_state(engine: "Engine") -> dict[str, Any]:
     owners: dict[int, tuple[Sequence, int]] = {}  # block -> (a sequence holding it, its index there)
     for seq in sched.running:
         for index, block in enumerate(seq.block_table):
-            owners.setdefault(block, (seq, index))
+            if block >= 0:  # not a released (NULL) entry
+                owners.setdefault(block, (seq, index))
+        for index, block in enumerate(seq.kv_view.sink_source if seq.kv_view is not None else ()):
+            owners.setdefault(block, (seq, index))  # a policy's sink rows as computed
     blocks = []
     stored_tokens = 0
     for block in range(pool.num_blocks):
@@ -88,7 +91,10 @@ def cache_state(engine: "Engine") -> dict[str, Any]:
                 "num_tier_tokens": engine.cache_listener.tier_tokens(seq.block_keys)
                 if engine.cache_listener is not None else 0,
                 "num_computed_tokens": seq.num_computed_tokens,
-                "num_output_tokens": len(seq.output_token_ids), "block_table": list(seq.block_table),
+                "num_output_tokens": len(seq.output_token_ids),
+                # the blocks it holds; a window or policy has given back the first num_released_blocks
+                "block_table": [b for b in seq.block_table if b >= 0],
+                "num_released_blocks": sum(1 for b in seq.block_table if b < 0),
                 "root_key": request.root_key.hex()})
     return {"block_size": size, "num_blocks": pool.num_blocks, "num_free_blocks": pool.num_free_blocks,
             "num_cached_blocks": pool.num_evictable_blocks, "num_used_blocks": pool.num_used_blocks,

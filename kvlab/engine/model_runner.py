@@ -13,6 +13,7 @@ import numpy as np
 
 from kvlab.cache.paged import BlockPool, slot_mapping
 from kvlab.engine.introspection import StepCounters
+from kvlab.engine.kv_bounds import NULL_BLOCK, KVBounds
 from kvlab.engine.request import Sequence
 from kvlab.model.batch import BatchInput
 from kvlab.model.llama import LlamaModel
@@ -23,11 +24,12 @@ class ModelRunner:
     """Batch preparation, the forward over the pool, and the commit of what it computed."""
 
     def __init__(self, model: LlamaModel, pool: BlockPool, prefix_cache: PrefixCache,
-                 counters: StepCounters) -> None:
+                 counters: StepCounters, bounds: KVBounds | None = None) -> None:
         self.model = model
         self.pool = pool
         self.prefix_cache = prefix_cache
         self.counters = counters
+        self.bounds = bounds if bounds is not None else KVBounds(pool, prefix_cache, inv_freq=None)
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[BatchInput, list[Sequence]]:
         """The flat batch of one step, and the sequences whose last scheduled token ends their known tokens
@@ -51,8 +53,9 @@ class ModelRunner:
             token_ids=np.concatenate([np.asarray(i, dtype=np.int64) for i in ids]),
             positions=np.concatenate(positions), query_lens=[n for _, n in scheduled],
             context_lens=[s.num_computed_tokens + n for s, n in scheduled],
-            block_tables=[s.block_table for s, _ in scheduled], slot_mapping=np.concatenate(slots),
-            logits_indices=np.array(logits_rows, dtype=np.int64))
+            block_tables=[_readable(s.block_table) for s, _ in scheduled], slot_mapping=np.concatenate(slots),
+            logits_indices=np.array(logits_rows, dtype=np.int64),
+            key_starts=[self.bounds.key_start(s) for s, _ in scheduled] if self.bounds.policy else None)
         return batch, sampled
 
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[np.ndarray, list[Sequence]]:
@@ -61,8 +64,16 @@ class ModelRunner:
         logits = self.model.forward_batch(batch, self.pool)
         for seq, num_new in scheduled:  # every layer has written: commit, then make full blocks findable
             seq.num_computed_tokens += num_new
+            if not self.bounds.registers(seq):
+                continue
             inserted = self.prefix_cache.insert(seq.block_table, seq.token_ids, seq.request.root_key,
                                                 seq.num_computed_tokens, seq.block_keys)
             if inserted.keys:
                 seq.block_keys.extend(inserted.keys)
         return logits, sampled
+
+
+def _readable(table: list[int]) -> list[int]:
+    """A block table the attention can index: released entries (never read: before the key start or the
+    window) read as block 0."""
+    return [0 if b == NULL_BLOCK else b for b in table] if NULL_BLOCK in table else table

@@ -62,6 +62,7 @@ class Sequence:
         self.decoder: Any = None  # incremental detokenizer, when the engine has a tokenizer
         self.text = ""
         self.text_end: int | None = None  # where a stop string cut the text
+        self.kv_view: Any = None  # a cache policy's kept rows (kvlab/engine/kv_bounds.py PolicyView)
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,10 @@ recompute: its blocks are released (its full blocks stay cached, so re-admission
 back to the front of the waiting queue, keeping the tokens it generated. A waiting sequence starts from
 its longest prefix-cache hit, in whole blocks, always computing its last token.
 
+Sliding-window models and cache policies bound what a sequence holds (kvlab/engine/kv_bounds.py): before
+each chunk the bounds evict what the policy drops and release blocks no query can see again; a policy
+caps each chunk at its max_chunk and each prefix hit below its budget.
+
 After the forward, `postprocess` is nano-vllm's: each sequence that reached its end gets its sampled token
 (sample 0 of an n > 1 request forks its siblings at the first one, copy-on-write), its text is detokenized
 incrementally, and the decode loop's stop rule (kvlab/generation/loop.py) decides whether it finishes.
@@ -22,6 +26,7 @@ import numpy as np
 
 from kvlab.cache.paged import BlockPool
 from kvlab.engine.introspection import StepCounters
+from kvlab.engine.kv_bounds import NULL_BLOCK, KVBounds
 from kvlab.engine.request import Sequence, Status
 from kvlab.generation.loop import StopReason, stop_reason
 from kvlab.prefix.prefix_cache import PrefixCache
@@ -38,9 +43,11 @@ class Scheduler:
     """Waiting queue, running list, and the block bookkeeping of admission, growth and preemption."""
 
     def __init__(self, pool: BlockPool, prefix_cache: PrefixCache, max_num_seqs: int,
-                 max_num_batched_tokens: int, counters: StepCounters | None = None) -> None:
+                 max_num_batched_tokens: int, counters: StepCounters | None = None,
+                 bounds: KVBounds | None = None) -> None:
         self.pool = pool
         self.prefix_cache = prefix_cache
+        self.bounds = bounds if bounds is not None else KVBounds(pool, prefix_cache, inv_freq=None)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.counters = counters if counters is not None else StepCounters()
@@ -66,12 +73,14 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this step
-            if self.pool.blocks_for(seq.num_tokens) > self.pool.num_blocks:
+            if self.bounds.max_blocks(seq.num_tokens) > self.pool.num_blocks:
                 self.remove(seq)
                 out.too_long.append(seq)
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while self._blocks_needed(seq, num_new) > self.pool.num_free_blocks:
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, self._chunk_cap())
+            self.bounds.evict(seq, num_new)
+            while self._blocks_needed(seq, num_new) + self.bounds.sink_blocks_needed(seq) > \
+                    self.pool.num_free_blocks:
                 victim = max(self.running, key=lambda s: (s.admitted_at, s.index))
                 budget += scheduled.pop(victim, 0)
                 self.preempt(victim)
@@ -80,6 +89,7 @@ class Scheduler:
                     break
             if seq.status is not Status.RUNNING:
                 continue
+            self.bounds.place_sinks(seq)
             self._grow(seq, num_new)
             scheduled[seq] = num_new
             budget -= num_new
@@ -94,14 +104,18 @@ class Scheduler:
             seq = self.waiting[0]
             if self.running_seats() + seq.seats > self.max_num_seqs:
                 break
-            if self.pool.blocks_for(seq.num_tokens) > self.pool.num_blocks:
+            if self.bounds.max_blocks(seq.num_tokens) > self.pool.num_blocks:
                 self.waiting.popleft()
                 out.too_long.append(seq)
                 continue
             hits, keys = self.prefix_cache.match(seq.token_ids, seq.request.root_key)
             hits = hits[:(seq.num_tokens - 1) // size]  # the last token is always computed
+            if self.bounds.max_hit_blocks() is not None:
+                hits = hits[:self.bounds.max_hit_blocks()]
             num_cached = len(hits) * size
-            num_new = min(seq.num_tokens - num_cached, budget)
+            num_new = min(seq.num_tokens - num_cached, budget, self._chunk_cap())
+            if self.bounds.policy is not None:  # the first chunk evicts nothing (see max_hit_blocks)
+                num_new = min(num_new, self.bounds.policy.budget - num_cached)
             total = self.pool.blocks_for(num_cached + num_new)
             revived = sum(1 for b in hits if self.pool.ref_counts[b] == 0)  # cached blocks leaving the LRU
             if total - len(hits) + revived > self.pool.num_free_blocks:
@@ -111,6 +125,7 @@ class Scheduler:
             seq.block_table = hits + self.pool.allocate(total - len(hits))
             seq.block_keys = keys[:len(hits)]
             seq.num_computed_tokens = num_cached
+            self.bounds.trim(seq)  # a sliding window's hit may hold blocks before the window
             self.prefix_cache.record(seq.num_tokens, num_cached)
             if not seq.request.admitted:
                 seq.request.admitted = True
@@ -122,6 +137,10 @@ class Scheduler:
         return budget
 
     # --- blocks --------------------------------------------------------------------------------------------
+    def _chunk_cap(self) -> int:
+        cap = self.bounds.max_chunk
+        return cap if cap is not None else self.max_num_batched_tokens
+
     def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
         start = seq.num_computed_tokens
         need = self.pool.blocks_for(start + num_new) - len(seq.block_table)
@@ -157,7 +176,8 @@ class Scheduler:
         child.num_computed_tokens = parent.num_computed_tokens
         child.block_table = list(parent.block_table)
         child.block_keys = list(parent.block_keys)
-        self.pool.acquire(child.block_table)
+        self.pool.acquire([b for b in child.block_table if b != NULL_BLOCK])
+        self.bounds.fork(parent, child)
         self._start(child, parent.admitted_at)
 
     def preempt(self, seq: Sequence) -> None:
@@ -174,7 +194,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
-        self.pool.release(seq.block_table)
+        self.pool.release([b for b in seq.block_table if b != NULL_BLOCK])
+        self.bounds.release(seq)
         seq.block_table = []
         seq.block_keys = []
 

@@ -176,6 +176,7 @@ class PagedAttention:
         self.heads, self.head_dim = config.num_attention_heads, config.head_dim
         positions = self.positions = np.asarray(batch.positions, dtype=np.int64)
         self.context_lens = batch.context_lens
+        self.key_starts = batch.key_starts
         self.starts = np.concatenate([[0], np.cumsum(batch.query_lens)]).astype(np.int64)
         self.decodes = [i for i, n in enumerate(batch.query_lens) if n == 1]
         self.others = [i for i, n in enumerate(batch.query_lens) if n > 1]
@@ -187,6 +188,9 @@ class PagedAttention:
             # a decode sees keys from its window's start (W keys, itself included) to itself
             self.decode_starts = np.maximum(self.decode_positions[:, 0] - self.window + 1, 0) \
                 if self.window else None
+            if batch.key_starts is not None:  # a cache policy's view start (kvlab/engine/kv_bounds.py)
+                view = np.array([batch.key_starts[i] for i in self.decodes], dtype=np.int64)
+                self.decode_starts = view if self.decode_starts is None else np.maximum(self.decode_starts, view)
         # compiled attention reads a float pool in place, and the decode kernel reads quantized blocks in
         # place too (their StoredCodes); prefill chunks over quantized blocks go through the NumPy gather
         self.in_place = compiled and isinstance(self.key_cache[0], np.ndarray)
@@ -207,6 +211,9 @@ class PagedAttention:
                                       sliding_window=self.window)
                 self.ranges[i] = prefill_attention.key_ranges(mask, 1, len(query_positions),
                                                               batch.context_lens[i])
+                if self.ranges[i] is not None and batch.key_starts is not None:
+                    lo, hi = self.ranges[i]
+                    self.ranges[i] = (np.maximum(lo, batch.key_starts[i]), hi)
 
     def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         key_cache, value_cache = self.key_cache[layer], self.value_cache[layer]
@@ -219,7 +226,7 @@ class PagedAttention:
         elif self.decodes:
             out = paged_attention(q[self.decode_rows][:, :, None], key_cache, value_cache, self.decode_tables,
                                   self.decode_positions, self.decode_lens, causal=self.causal,
-                                  sliding_window=self.window)
+                                  sliding_window=self.window, key_starts=self.decode_starts)
             attn[self.decode_rows] = out[:, :, 0]
         for i in self.others:
             rows = slice(self.starts[i], self.starts[i + 1])
@@ -230,7 +237,8 @@ class PagedAttention:
                 continue
             out = paged_attention(q[rows].transpose(1, 0, 2)[None], key_cache, value_cache, self.seq_tables[i],
                                   self.positions[rows][None], [self.context_lens[i]], causal=self.causal,
-                                  sliding_window=self.window)
+                                  sliding_window=self.window,
+                                  key_starts=None if self.key_starts is None else [self.key_starts[i]])
             attn[rows] = out[0].transpose(1, 0, 2)
         return attn.reshape(q.shape[0], self.heads * self.head_dim)
 

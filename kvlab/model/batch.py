@@ -25,3 +25,5 @@ class BatchInput:
     block_tables: list[list[int]]  # per sequence
     slot_mapping: np.ndarray       # [N] where each new K/V row is written
     logits_indices: np.ndarray     # rows of the flat batch whose logits are returned
+    key_starts: list[int] | None = None  # per sequence: first visible key position (a cache policy's
+                                         # view start, kvlab/engine/kv_bounds.py); None: 0 for every one

@@ -17,7 +17,7 @@ from kvlab.model.layers import attend, attention_mask
 
 def paged_attention(q: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray, block_tables: np.ndarray,
                     query_positions: np.ndarray, context_lens: np.ndarray, *, causal: bool = True,
-                    sliding_window: int | None = None) -> np.ndarray:
+                    sliding_window: int | None = None, key_starts: np.ndarray | None = None) -> np.ndarray:
     """Attention of B sequences' new queries against their own cached K/V (new rows already written).
 
     q: [B, H_q, n, d] after RoPE; key_cache/value_cache: one layer of the pool; block_tables: [B, M] block
@@ -33,6 +33,9 @@ def paged_attention(q: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarra
         keys, values = keys.astype(q.dtype), values.astype(q.dtype)
     key_positions = np.arange(length)
     mask = attention_mask(query_positions, key_positions, causal=causal, sliding_window=sliding_window)
+    if key_starts is not None:
+        after = (key_positions[None, :] >= np.asarray(key_starts, dtype=np.int64)[:, None])[:, None, :]
+        mask = np.broadcast_to(after, (q.shape[0], q.shape[2], length)) if mask is None else mask & after
     if (context_lens < length).any() or (query_positions < 0).any():
         in_context = (key_positions[None, :] < context_lens[:, None])[:, None, :]  # [B, 1, T]
         in_context = in_context & (query_positions >= 0)[:, :, None]

@@ -52,6 +52,7 @@ class ServerState:
         self.model_names = model_names
         self.model_root = model_root
         self.max_model_len = int(engine.max_model_len)
+        self.engine_policy = getattr(engine, "kv_policy", None)  # --kv-policy: prompts may outgrow the context
         self.vocab_size = int(engine.model.config.vocab_size)
         self.created = int(time.time())
         self.hide_cache_text = hide_cache_text
@@ -76,7 +77,7 @@ class ServerState:
         """Refuse a text that cannot fit the context, before tokenizing it: a text of N characters is at
         least N / max_token_chars tokens."""
         least = num_chars // (self.max_token_chars * PRECHECK_SLACK)
-        if least > self.max_model_len:
+        if least > self.max_model_len and self.engine_policy is None:  # a kv policy keeps its budget
             raise bad_request(f"the {param} has {num_chars} characters, at least {least} tokens: more than "
                               f"max_model_len {self.max_model_len}", param, "context_length_exceeded")
 

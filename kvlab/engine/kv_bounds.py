@@ -1,0 +1,218 @@
+"""Bounded K/V per sequence in the paged engine: sliding-window models and cache policies (window, sinks,
+context shift) give back the blocks no future query can see, so a long conversation holds a bounded
+number of blocks.
+
+Sliding-window models (config.sliding_window = W): a query at position p sees keys p-W+1..p, and later
+queries see later keys, so a block whose last position is before num_computed_tokens - W + 1 is never
+read again. It is released (vLLM's SlidingWindowManager swaps it for its null block; here the table entry
+becomes NULL_BLOCK, read as block 0 and masked out). Its K/V are the model's own, so a registered block
+stays in the prefix cache as it was.
+
+Cache policies (`kv_policy`, kvlab/policies): the engine must give the same logits as `make_room` +
+`forward` on a contiguous KVCache with the same chunks. There, before a chunk of n tokens the policy keeps
+rows `keep(L, n)` of the L cached rows and moves them to positions 0..k-1 (re-rotating keys). Every policy
+run here keeps a text prefix [0, s) (sinks, context shift's n_keep) plus a text tail [ws, chunk start):
+  * the tail stays where it is, at its text positions, and the queries use text positions too: RoPE
+    scores depend only on query-key distances, which are the same as in the contiguous cache (there the
+    tail and the query both moved down by the same ws - s);
+  * the prefix must sit right before the tail (contiguous: sink j at j, tail row at s + i). Its keys are
+    re-rotated from the originals (text rows 0..s-1, whose blocks the sequence holds as `sink_source`) by
+    ws - s and written at positions ws-s..ws-1 of the table, in private blocks (copy-on-write: a shared
+    or registered block is never changed). Only s rows per layer are rotated per eviction, not the tail;
+  * so every query sees one run of keys, view start ws - s .. itself: `BatchInput.key_starts`, which the
+    paged kernels take as their key range start. Blocks wholly before the view start are released.
+Positions are text positions and so grow past max_position_embeddings in a long chat; RoPE needs only
+their differences (at most the budget), but float32 angles lose about 6e-8 relative per position, which
+`bench/bench_engine_policy.py` measures against the contiguous policy at 10k tokens.
+
+Prefix cache: a block computed after the first eviction holds K/V that depend on what was evicted (and on
+the chunk schedule), so it is never registered; a sink block is a private copy. Blocks computed before
+(no row dropped yet) equal full attention's, so they are registered as usual, and a policy request's hit
+is capped below its budget (its first chunk then evicts nothing, as in the contiguous run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvlab.cache.paged import BlockPool, gather_blocks, slot_mapping, write_slots
+from kvlab.engine.request import Sequence
+from kvlab.policies.base import Policy
+from kvlab.policies.shift import rerotate_keys
+from kvlab.prefix.prefix_cache import PrefixCache
+
+NULL_BLOCK = -1  # a block-table entry given back: positions there are never read again
+
+
+@dataclass
+class PolicyView:
+    """A sequence's kept rows under a policy: text prefix [0, prefix) + text tail [window_start, computed)."""
+
+    prefix: int = 0
+    window_start: int = 0
+    sink_source: list[int] = field(default_factory=list)  # blocks holding text rows 0..prefix-1 as computed
+
+    @property
+    def view_start(self) -> int:
+        """First key position any query of this sequence sees (0 until something is evicted)."""
+        return self.window_start - self.prefix
+
+    @property
+    def evicted(self) -> bool:
+        return self.view_start > 0
+
+
+def held_blocks(seq: Sequence) -> list[int]:
+    """The blocks a sequence references: its table without NULL entries, plus its sink source."""
+    view = seq.kv_view
+    return [b for b in seq.block_table if b != NULL_BLOCK] + (list(view.sink_source) if view else [])
+
+
+class KVBounds:
+    """What bounds a sequence's blocks: a sliding window (the model's) and/or a cache policy (the engine's)."""
+
+    def __init__(self, pool: BlockPool, prefix_cache: PrefixCache, inv_freq: np.ndarray,
+                 policy: Policy | None = None, sliding_window: int | None = None,
+                 max_num_batched_tokens: int | None = None) -> None:
+        self.pool, self.prefix_cache, self.inv_freq = pool, prefix_cache, inv_freq
+        self.policy, self.sliding_window = policy, sliding_window
+        self.max_num_batched_tokens = max_num_batched_tokens
+
+    # --- limits --------------------------------------------------------------------------------------------
+    @property
+    def max_chunk(self) -> int | None:
+        """Most tokens one step may compute for a sequence (the policy's max_chunk), None: no limit."""
+        return self.policy.max_chunk if self.policy is not None else None
+
+    @property
+    def prefix_rows(self) -> int:
+        """Rows a policy keeps at the start (sinks, context shift's n_keep)."""
+        return int(getattr(self.policy, "sinks", getattr(self.policy, "n_keep", 0)))
+
+    def max_blocks(self, num_tokens: int) -> int:
+        """Most blocks a sequence of `num_tokens` tokens holds at once (the whole pool must fit it)."""
+        plain = self.pool.blocks_for(num_tokens)
+        if self.policy is not None:  # the view (budget rows, +1 block of misalignment) + the sink source
+            return min(plain, self.pool.blocks_for(self.policy.budget) + 1
+                       + self.pool.blocks_for(self.prefix_rows))
+        if self.sliding_window and self.max_num_batched_tokens:
+            return min(plain, self.pool.blocks_for(self.sliding_window - 1 + self.max_num_batched_tokens) + 1)
+        return plain
+
+    def max_hit_blocks(self) -> int | None:
+        """A policy request takes at most this many prefix-cache blocks: fewer rows than its budget, so its
+        first chunk evicts nothing (the cached K/V are full attention's, as its own would be)."""
+        return (self.policy.budget - 1) // self.pool.block_size if self.policy is not None else None
+
+    # --- before a chunk ------------------------------------------------------------------------------------
+    def evict(self, seq: Sequence, num_new: int) -> None:
+        """Before `num_new` tokens of `seq` are computed: apply the policy's keep (as `make_room` would on a
+        contiguous cache) and release the blocks no query of this or a later step can see."""
+        if self.policy is not None:
+            self._keep(seq, num_new)
+        self.trim(seq)
+
+    def _keep(self, seq: Sequence, num_new: int) -> None:
+        view = seq.kv_view
+        if view is None:
+            view = seq.kv_view = PolicyView()
+        computed = seq.num_computed_tokens
+        length = view.prefix + computed - view.window_start if view.evicted else computed
+        if length + num_new <= self.policy.budget:
+            return
+        rows = np.asarray(self.policy.keep(length, num_new), dtype=np.int64)
+        text = np.where(rows < view.prefix, rows, rows - view.prefix + view.window_start) if view.evicted \
+            else rows
+        prefix = 0
+        while prefix < text.size and text[prefix] == prefix:
+            prefix += 1
+        tail = text[prefix:]
+        if tail.size and not np.array_equal(tail, np.arange(computed - tail.size, computed)):
+            raise ValueError(f"{self.policy} keeps rows that are not a prefix plus a tail: the paged engine "
+                             "cannot place them")  # the engine's config refuses such policies first
+        start = int(tail[0]) if tail.size else computed
+        if start - prefix <= view.view_start:
+            return  # nothing dropped
+        if not view.sink_source and prefix:  # the first eviction: keep the prefix's blocks as computed
+            view.sink_source = list(seq.block_table[:self.pool.blocks_for(prefix)])
+            self.pool.acquire(view.sink_source)
+        view.prefix, view.window_start = prefix, start
+
+    def trim(self, seq: Sequence) -> None:
+        """Release the table's blocks wholly before every position a query may still see."""
+        first = 0
+        if seq.kv_view is not None:
+            first = seq.kv_view.view_start
+        elif self.sliding_window:
+            first = seq.num_computed_tokens - self.sliding_window + 1
+        table = seq.block_table
+        for index in range(min(max(first, 0) // self.pool.block_size, len(table))):
+            if table[index] != NULL_BLOCK:
+                self.pool.release([table[index]])
+                table[index] = NULL_BLOCK
+
+    def sink_blocks_needed(self, seq: Sequence) -> int:
+        """Free blocks `place_sinks` will take: one per shared block under the sink rows (a registered block
+        only this sequence holds is released first and may come straight back, so it costs none)."""
+        return sum(1 for index in self._sink_indices(seq)
+                   if not self._private(seq, seq.block_table[index])
+                   and self.pool.ref_counts[seq.block_table[index]] > 1)
+
+    def place_sinks(self, seq: Sequence) -> None:
+        """Write the prefix rows, re-rotated by view_start, at positions view_start..window_start-1."""
+        view = seq.kv_view
+        if view is None or not view.evicted or view.prefix == 0:
+            return
+        size = self.pool.block_size
+        for index in self._sink_indices(seq):
+            block = seq.block_table[index]
+            if not self._private(seq, block):
+                # release first: its rows stay intact until a block is allocated, and if the pool hands
+                # this very block back (it was cached and only ours) it is already ours alone
+                self.pool.release([block])
+                [copy] = self.pool.allocate(1)
+                if copy != block:
+                    self.pool.copy_block(block, copy, size)  # rows past the sinks may be live tail rows
+                seq.block_table[index] = copy
+        source = np.asarray([view.sink_source], dtype=np.int64)
+        slots = slot_mapping(seq.block_table, view.view_start, view.prefix, size)
+        delta = np.full(view.prefix, view.view_start)
+        for keys, values in zip(self.pool.key_cache, self.pool.value_cache):
+            k = rerotate_keys(gather_blocks(keys, source, view.prefix), delta, self.inv_freq)
+            v = gather_blocks(values, source, view.prefix)
+            write_slots(keys, values, slots, k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2))
+
+    def _sink_indices(self, seq: Sequence) -> range:
+        view = seq.kv_view
+        if view is None or not view.evicted or view.prefix == 0:
+            return range(0)
+        return range(view.view_start // self.pool.block_size, self.pool.blocks_for(view.window_start))
+
+    def _private(self, seq: Sequence, block: int) -> bool:
+        view = seq.kv_view
+        return (self.pool.ref_counts[block] == 1 and self.prefix_cache.cached_info(block) is None
+                and block not in view.sink_source)
+
+    def key_start(self, seq: Sequence) -> int:
+        """The first key position the sequence's queries see this step (the batch's key_starts)."""
+        return seq.kv_view.view_start if seq.kv_view is not None else 0
+
+    def registers(self, seq: Sequence) -> bool:
+        """Whether the sequence's newly full blocks may enter the prefix cache (none after an eviction)."""
+        return seq.kv_view is None or not seq.kv_view.evicted
+
+    # --- sequence life -------------------------------------------------------------------------------------
+    def release(self, seq: Sequence) -> None:
+        """Give back the sink source and forget the view (finish, abort, preemption)."""
+        if seq.kv_view is not None and seq.kv_view.sink_source:
+            self.pool.release(seq.kv_view.sink_source)
+        seq.kv_view = None
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares the parent's view; its sink source gets one more reference."""
+        if parent.kv_view is not None:
+            child.kv_view = PolicyView(parent.kv_view.prefix, parent.kv_view.window_start,
+                                       list(parent.kv_view.sink_source))
+            self.pool.acquire(child.kv_view.sink_source)

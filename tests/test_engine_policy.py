@@ -1,0 +1,288 @@
+"""Bounded memory in the paged engine (kvlab/engine/kv_bounds.py): cache policies (window, sinks, shift)
+give the contiguous policy's logits for the same chunks, sliding-window models give full recompute's, and
+both hold a bounded number of blocks; blocks computed after an eviction never serve a full-attention
+request; bad settings are refused before anything is allocated."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import kvlab
+from engine_replay import Recorder, replay
+from kvlab import Engine, SamplingParams, TinyLlama
+from kvlab.engine.kv_bounds import NULL_BLOCK, held_blocks
+from kvlab.errors import ConfigError, InputError
+from kvlab.policies import AttentionSinks, ContextShift, HeavyHitters, SlidingWindow, make_room
+
+GREEDY = dict(ignore_eos=True)
+MODEL = TinyLlama(seed=5)  # float64: engine and contiguous logits agree to ~1e-15
+
+
+def policies():
+    window = st.integers(2, 24).map(SlidingWindow)
+    sinks = st.integers(0, 4).flatmap(lambda s: st.integers(s + 1, 24).map(lambda w: AttentionSinks(s, w)))
+    shift = st.integers(0, 4).flatmap(lambda k: st.integers(k + 2, 24).map(lambda b: ContextShift(k, b)))
+    return st.one_of(window, sinks, shift)
+
+
+def check_bounded_and_equal(engine, recorder, policy, outputs, bound):
+    worst = 0.0
+    for out in outputs:
+        tokens = out.prompt_token_ids + out.outputs[0].token_ids
+        pairs = replay(MODEL, policy, recorder.chunks[(out.request_id, 0)], tokens)
+        assert pairs  # every sequence was sampled at least once
+        for paged, contiguous in pairs:
+            worst = max(worst, float(np.abs(paged - contiguous).max()))
+            assert int(np.argmax(paged)) == int(np.argmax(contiguous))
+    assert worst < 1e-9, worst
+    assert recorder.max_held <= bound
+    pool = engine.block_pool
+    pool.check_invariants()
+    assert pool.num_used_blocks == 0 and pool.num_free_blocks == pool.num_blocks
+
+
+# --- policies: the contiguous policy's logits, bounded blocks --------------------------------------------
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(policy=policies(), block_size=st.sampled_from([1, 2, 4, 8]), chunk=st.integers(1, 24),
+       lengths=st.lists(st.integers(1, 70), min_size=1, max_size=4), new=st.integers(1, 24),
+       shared=st.booleans(), prefix_caching=st.booleans(), room=st.floats(0, 1))
+def test_policy_engine_equals_contiguous_policy_with_bounded_blocks(policy, block_size, chunk, lengths, new,
+                                                                   shared, prefix_caching, room):
+    """Pools from one sequence's bound (others wait or are preempted and recomputed) to all of them."""
+    bound = (-(-policy.budget // block_size) + 1
+             + -(-getattr(policy, "sinks", getattr(policy, "n_keep", 0)) // block_size))
+    num_blocks = bound + int(room * bound * (len(lengths) - 1))
+    engine = Engine(MODEL, block_size=block_size, num_blocks=num_blocks, max_num_seqs=4,
+                    max_num_batched_tokens=chunk, enable_prefix_caching=prefix_caching, kv_policy=policy)
+    recorder = Recorder(engine)
+    base = list(range(3, 3 + max(lengths)))
+    prompts = [base[:n] if shared else [(7 * i + 3 * t) % 250 for t in range(n)]
+               for i, n in enumerate(lengths)]
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=new, **GREEDY))
+    if num_blocks == bound * len(lengths):
+        assert engine.scheduler.num_preemptions == 0  # the pool holds every sequence's bound at once
+    check_bounded_and_equal(engine, recorder, policy, outputs, bound)
+
+
+def test_a_10x_longer_conversation_than_the_pool_with_the_goals_ratios():
+    """The 10k-token goal's shape scaled down: context 8x the pool (8192 / 2048 -> 64 / 16 blocks of 4
+    tokens = 64 tokens), a conversation ~1.2x the context, a sinks policy sized to the pool."""
+    model = TinyLlama(seed=5, max_position_embeddings=512)
+    policy = AttentionSinks(4, 52)
+    engine = Engine(model, block_size=4, num_blocks=16, max_num_batched_tokens=16, kv_policy=policy)
+    recorder = Recorder(engine)
+    prompt = [(5 * t) % 250 for t in range(600)]  # past the 512-token context
+    [out] = engine.generate([prompt], SamplingParams(max_tokens=40, **GREEDY))
+    assert len(out.outputs[0].token_ids) == 40
+    tokens = prompt + out.outputs[0].token_ids
+    pairs = replay(model, policy, recorder.chunks[(out.request_id, 0)], tokens)
+    assert max(float(np.abs(a - b).max()) for a, b in pairs) < 1e-9
+    assert recorder.max_held <= 16 and engine.stats()["num_preemptions"] == 0
+    # the same tokens as the contiguous policy's own generate loop, which runs chunks of max_chunk
+    alone = Engine(model, block_size=4, num_blocks=16, max_num_batched_tokens=policy.max_chunk,
+                   kv_policy=policy)
+    [again] = alone.generate([prompt], SamplingParams(max_tokens=40, **GREEDY))
+    assert again.outputs[0].token_ids == kvlab.generate(model, [prompt], 40, policy=policy)[0].tolist()
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "float16"])
+def test_a_low_precision_pool_runs_a_policy_bounded_and_close_to_its_contiguous_twin(kv_dtype):
+    """Sink rows are dequantized, rotated and written back once per eviction (the contiguous cache
+    re-quantizes every kept key per eviction), so the two differ by rounding, not by which keys they see."""
+    model = TinyLlama(seed=5, dtype=np.float32)
+    policy = AttentionSinks(3, 13)
+    engine = Engine(model, block_size=4, num_blocks=6, max_num_batched_tokens=5, kv_policy=policy,
+                    kv_cache_dtype=kv_dtype)
+    recorder = Recorder(engine)
+    prompt = [(9 * t) % 250 for t in range(70)]
+    [out] = engine.generate([prompt], SamplingParams(max_tokens=10, **GREEDY))
+    assert recorder.max_held <= 6
+    pairs = []
+    cache, end = model.new_cache(1, kv_dtype=kv_dtype), 0
+    for start, ids, logits in recorder.chunks[(out.request_id, 0)]:
+        assert start == end
+        make_room(model, cache, policy, len(ids))
+        reference = model.forward(np.asarray([ids]), cache=cache).logits[0, -1]
+        end = start + len(ids)
+        if logits is not None:
+            pairs.append((logits, reference))
+    spread = max(float(np.abs(r).max()) for _, r in pairs)
+    assert max(float(np.abs(a - b).max()) for a, b in pairs) < 0.01 * spread  # measured: 0.3 % int8
+    engine.block_pool.check_invariants()
+    assert engine.block_pool.num_used_blocks == 0
+
+
+def test_forks_share_a_policy_prefix_and_get_their_own_sink_blocks():
+    policy = AttentionSinks(2, 10)
+    engine = Engine(MODEL, block_size=4, num_blocks=30, max_num_batched_tokens=5, kv_policy=policy)
+    recorder = Recorder(engine)
+    [out] = engine.generate([list(range(20, 50))], SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=3))
+    for index, sample in enumerate(out.outputs):
+        tokens = out.prompt_token_ids + sample.token_ids
+        chunks = recorder.chunks[(out.request_id, index)]
+        if index:  # a fork starts where sample 0 finished the prompt: replay the shared chunks first
+            chunks = recorder.chunks[(out.request_id, 0)][:_prompt_chunks(recorder, out)] + chunks
+        for paged, contiguous in replay(MODEL, policy, chunks, tokens):
+            assert np.abs(paged - contiguous).max() < 1e-9
+    engine.block_pool.check_invariants()
+    assert engine.block_pool.num_used_blocks == 0
+
+
+def _prompt_chunks(recorder, out) -> int:
+    chunks = recorder.chunks[(out.request_id, 0)]
+    return next(i for i, (start, ids, _) in enumerate(chunks) if start + len(ids) == len(out.prompt_token_ids)) + 1
+
+
+# --- sliding-window models: full recompute's logits, blocks outside the window released -------------------
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(window=st.integers(2, 20), block_size=st.sampled_from([1, 2, 4, 8]), chunk=st.integers(1, 16),
+       lengths=st.lists(st.integers(1, 60), min_size=1, max_size=3), new=st.integers(1, 16))
+def test_sliding_window_model_releases_blocks_outside_every_window(window, block_size, chunk, lengths, new):
+    model = TinyLlama(seed=2, sliding_window=window)
+    bound = -(-(window - 1 + chunk) // block_size) + 1
+    engine = Engine(model, block_size=block_size, num_blocks=bound * len(lengths) + 1,
+                    max_num_batched_tokens=chunk, max_num_seqs=3)
+    recorder = Recorder(engine)
+    prompts = [[(11 * i + t) % 250 for t in range(n)] for i, n in enumerate(lengths)]
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=new, **GREEDY))
+    for out in outputs:
+        tokens = out.prompt_token_ids + out.outputs[0].token_ids
+        for start, ids, logits in recorder.chunks[(out.request_id, 0)]:
+            if logits is not None:
+                full = model.forward(np.asarray([tokens[:start + len(ids)]])).logits[0, -1]
+                assert np.abs(logits - full).max() < 1e-9
+    assert recorder.max_held <= bound
+    engine.block_pool.check_invariants()
+    assert engine.block_pool.num_used_blocks == 0
+
+
+def test_a_sliding_window_request_may_start_from_a_long_prefix_hit():
+    model = TinyLlama(seed=2, sliding_window=6)
+    engine = Engine(model, block_size=4, num_blocks=12, max_num_batched_tokens=8)
+    prompt = list(range(5, 45))
+    first = engine.generate([prompt], SamplingParams(max_tokens=4, **GREEDY))[0]
+    recorder = Recorder(engine)
+    second = engine.generate([prompt + [9]], SamplingParams(max_tokens=4, **GREEDY))[0]
+    assert second.num_cached_tokens > 0
+    assert recorder.max_held <= -(-(6 - 1 + 8) // 4) + 1
+    tokens = prompt + [9] + second.outputs[0].token_ids
+    full = model.forward(np.asarray([tokens[:-1]])).logits[0, -1]
+    assert int(np.argmax(full)) == tokens[-1]
+    assert first.outputs[0].token_ids == kvlab.generate(model, [prompt], 4)[0].tolist()
+
+
+# --- the prefix cache and the policy agree on what a block means ------------------------------------------
+def test_blocks_after_an_eviction_are_never_a_full_attention_hit(tmp_path):
+    """A policy engine and a full-attention engine share a disk tier: only blocks computed before the
+    first eviction (equal to full attention's) reach it, and the full-attention request's logits are full
+    recompute's. Inside the policy engine no post-eviction block is registered either."""
+    url = f"file://{tmp_path}/tier"
+    policy = AttentionSinks(2, 14)
+    prompt = [(3 * t + 1) % 250 for t in range(60)]
+    bounded = Engine(MODEL, block_size=4, num_blocks=12, max_num_batched_tokens=8, kv_policy=policy,
+                     kv_tiers=[url])
+    bounded.generate([prompt], SamplingParams(max_tokens=6, **GREEDY))
+    registered = bounded.prefix_cache.num_cached_blocks
+    assert 0 < registered <= policy.budget // 4  # only blocks computed before the first eviction
+    # a second policy request hits at most below its budget, and still equals the contiguous policy
+    recorder = Recorder(bounded)
+    [again] = bounded.generate([prompt], SamplingParams(max_tokens=6, **GREEDY))
+    assert 0 < again.num_cached_tokens <= policy.budget - 1
+    for paged, contiguous in replay(MODEL, policy, recorder.chunks[(again.request_id, 0)],
+                                    prompt + again.outputs[0].token_ids):
+        assert np.abs(paged - contiguous).max() < 1e-9
+    bounded.close(30)
+    assert bounded.prefix_cache.num_cached_blocks == registered
+    assert bounded.stats()["kv_tier_written_blocks"] == registered
+    full = Engine(MODEL, block_size=4, num_blocks=40, kv_tiers=[url])
+    recorder = Recorder(full)
+    [out] = full.generate([prompt], SamplingParams(max_tokens=3, **GREEDY))
+    assert out.num_cached_tokens == registered * 4
+    assert full.stats()["kv_tier_hit_blocks"] == registered
+    tokens = prompt + out.outputs[0].token_ids
+    for start, ids, logits in recorder.chunks[(out.request_id, 0)]:
+        if logits is not None:
+            reference = MODEL.forward(np.asarray([tokens[:start + len(ids)]])).logits[0, -1]
+            assert np.abs(logits - reference).max() < 1e-9
+    full.close(30)
+
+
+def test_sink_rows_are_written_only_into_private_blocks():
+    """A registered block under the sink rows is copied, never overwritten: its K/V stay full attention's."""
+    policy = AttentionSinks(3, 9)
+    engine = Engine(MODEL, block_size=4, num_blocks=20, max_num_batched_tokens=4, kv_policy=policy)
+    prompt = list(range(40, 80))
+    engine.generate([prompt[:8]], SamplingParams(max_tokens=1, **GREEDY))  # registers blocks 0-1
+    cached = {b: (engine.block_pool.key_cache[0][b].copy(), engine.prefix_cache.cached_info(b))
+              for b in range(engine.block_pool.num_blocks) if engine.prefix_cache.cached_info(b)}
+    assert len(cached) == 2
+    seen_views = []
+    original = engine.bounds.place_sinks
+
+    def place_sinks(seq):
+        original(seq)
+        if seq.kv_view is not None and seq.kv_view.evicted:
+            seen_views.append(seq.kv_view.view_start)
+            assert NULL_BLOCK not in seq.block_table[seq.kv_view.view_start // 4:]
+    engine.bounds.place_sinks = place_sinks
+    engine.generate([prompt], SamplingParams(max_tokens=10, **GREEDY))
+    assert seen_views and seen_views == sorted(seen_views)
+    for block, (keys, info) in cached.items():
+        if engine.prefix_cache.cached_info(block) == info:
+            assert np.array_equal(engine.block_pool.key_cache[0][block], keys)
+
+
+# --- bad settings and bad requests ------------------------------------------------------------------------
+@pytest.mark.parametrize("settings_, message", [
+    (dict(kv_policy="window:99999"), "context is"),
+    (dict(kv_policy="window:40", max_model_len=32), "context is 32"),
+    (dict(kv_policy="sinks:8:8"), "larger window"),
+    (dict(kv_policy="sinks:9:8"), "larger window"),
+    (dict(kv_policy="h2o:4:8"), "attention scores"),
+    (dict(kv_policy=HeavyHitters(2, 6)), "attention scores"),
+    (dict(kv_policy="lru:4"), "unknown cache policy"),
+    (dict(kv_policy="window:x"), "integer"),
+    (dict(kv_policy=5), "policy string"),
+    (dict(kv_policy="window:64", block_size=4, num_blocks=10), "holds up to 17 blocks"),
+])
+def test_bad_policy_settings_are_refused_before_anything_is_allocated(settings_, message):
+    with pytest.raises(ConfigError, match=message):
+        Engine(MODEL, **settings_)
+
+
+def test_a_policy_on_a_sliding_window_model_is_refused():
+    with pytest.raises(ConfigError, match="sliding-window model"):
+        Engine(TinyLlama(seed=1, sliding_window=8), kv_policy="window:16")
+
+
+def test_bad_requests_leave_a_policy_engine_as_it_was():
+    engine = Engine(MODEL, block_size=4, num_blocks=12, max_num_batched_tokens=4, kv_policy="sinks:2:10",
+                    max_model_len=64)
+    engine.add_request("a", list(range(30)), SamplingParams(max_tokens=8, **GREEDY))
+    for _ in range(6):
+        engine.step()
+    assert engine.scheduler.running[0].kv_view.evicted
+    before = json.dumps(engine.cache_state(), sort_keys=True), [k.copy() for k in engine.block_pool.key_cache]
+    for call in (lambda: engine.add_request("b", [1, 2, 999]), lambda: engine.add_request("a", [1]),
+                 lambda: engine.add_request("b", []), lambda: engine.generate([[1], [1, 999]])):
+        with pytest.raises(InputError):
+            call()
+        assert json.dumps(engine.cache_state(), sort_keys=True) == before[0]
+        assert all(np.array_equal(x, y) for x, y in zip(before[1], engine.block_pool.key_cache))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.block_pool.check_invariants()
+    assert engine.block_pool.num_used_blocks == 0
+
+
+def test_a_policy_prompt_may_outgrow_max_model_len_but_not_the_pool():
+    with pytest.raises(kvlab.errors.ContextLengthError):
+        Engine(MODEL, block_size=4, num_blocks=40, max_model_len=32).add_request("a", list(range(100)))
+    engine = Engine(MODEL, block_size=4, num_blocks=6, kv_policy="window:16", max_model_len=32)
+    [out] = engine.generate([list(range(100))], SamplingParams(max_tokens=3, **GREEDY))
+    assert len(out.outputs[0].token_ids) == 3
+    assert engine.stats()["num_preemptions"] == 0 and engine.block_pool.num_used_blocks == 0
