@@ -158,9 +158,10 @@ class PagedAttention:
     """A batch of sequences over a block pool: new rows written through the slot mapping, each sequence
     attending to its own blocks.
 
-    One-token sequences (decodes) share one padded attention call; prefill chunks attend sequence by
-    sequence. Compiled and float pool: kernels that read the blocks in place; otherwise the NumPy
-    reference gathers them (model/paged_attention.py).
+    One-token sequences (decodes) share one padded attention call; compiled on a float pool, every prefill
+    chunk (each its own length and cached prefix) attends in one more call, kernels that read the blocks
+    in place. Otherwise (or for a chunk whose visible keys are not one run per query) the NumPy reference
+    gathers them sequence by sequence (model/paged_attention.py).
     """
 
     def __init__(self, pool: PagedKV, batch: BatchInput, config: ModelConfig, compiled: bool) -> None:
@@ -185,6 +186,7 @@ class PagedAttention:
         self.in_place = compiled and isinstance(self.key_cache[0], np.ndarray)
         self.seq_tables = {i: np.array([batch.block_tables[i]], dtype=np.int64) for i in self.others}
         self.ranges = {}  # compiled prefill: each chunk's visible keys as one range per query
+        self.prefill = None  # compiled prefill: one call over every chunk with ranges (_PrefillCall)
         if self.in_place:
             from kvlab.kernels import attention as decode_kernels, prefill_attention
 
@@ -195,6 +197,10 @@ class PagedAttention:
                                       sliding_window=self.window)
                 self.ranges[i] = prefill_attention.key_ranges(mask, 1, len(query_positions),
                                                               batch.context_lens[i])
+            ranged = [i for i in self.others if self.ranges[i] is not None]
+            if ranged:
+                self.prefill = _PrefillCall(prefill_attention, ranged, self.starts, self.ranges,
+                                            [batch.block_tables[i] for i in ranged])
 
     def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         key_cache, value_cache = self.key_cache[layer], self.value_cache[layer]
@@ -209,18 +215,38 @@ class PagedAttention:
                                   self.decode_positions, self.decode_lens, causal=self.causal,
                                   sliding_window=self.window)
             attn[self.decode_rows] = out[:, :, 0]
+        if self.prefill is not None:
+            attn[self.prefill.rows] = self.prefill(q, key_cache, value_cache)
         for i in self.others:
-            rows = slice(self.starts[i], self.starts[i + 1])
             if self.ranges.get(i) is not None:
-                attn[rows] = self._prefill.paged_prefill_attention(
-                    q[rows].transpose(1, 0, 2)[None], key_cache, value_cache, self.seq_tables[i],
-                    *self.ranges[i])[0].transpose(1, 0, 2)
                 continue
+            rows = slice(self.starts[i], self.starts[i + 1])
             out = paged_attention(q[rows].transpose(1, 0, 2)[None], key_cache, value_cache, self.seq_tables[i],
                                   self.positions[rows][None], [self.context_lens[i]], causal=self.causal,
                                   sliding_window=self.window)
             attn[rows] = out[0].transpose(1, 0, 2)
         return attn.reshape(q.shape[0], self.heads * self.head_dim)
+
+
+class _PrefillCall:
+    """Every compiled prefill chunk of a paged batch in one kernel call, set up once per forward: the
+    chunks' rows of the flat batch, where each chunk starts among them, their key ranges and block tables."""
+
+    def __init__(self, kernels, seqs: list[int], starts: np.ndarray, ranges: dict, tables: list[list[int]]) -> None:
+        """seqs: the chunks' sequences in the batch; starts [S + 1]: the batch's row offsets; ranges[i]: the
+        (lo, hi) [1, n] of sequence i's chunk (prefill_attention.key_ranges)."""
+        self.kernels = kernels
+        self.rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in seqs])
+        lens = [starts[i + 1] - starts[i] for i in seqs]
+        self.query_starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        self.lo = np.concatenate([ranges[i][0][0] for i in seqs])
+        self.hi = np.concatenate([ranges[i][1][0] for i in seqs])
+        self.tables = _padded(tables)
+
+    def __call__(self, q: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray) -> np.ndarray:
+        """The chunks' attention [rows, H_q, d] for one layer's q [N, H_q, d] (new K/V written already)."""
+        return self.kernels.varlen_prefill_attention(q[self.rows], key_cache, value_cache, self.tables,
+                                                     self.query_starts, self.lo, self.hi)
 
 
 def _padded(tables: list[list[int]]) -> np.ndarray:
