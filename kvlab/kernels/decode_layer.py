@@ -17,7 +17,7 @@ weights 28 -> 22.5 ms at 128 context, 38 -> 27 ms at 1024; float32 50 -> 41 and 
 its own call so that the kernels compile per (compute dtype x weight dtype) and per (compute dtype x
 cache dtype), not per product of the three.
 
-Each product's output columns go over the threads (`gemv.matvec_column`); the steps between them run on
+Each product's output columns go over the threads (`gemv.products`); the steps between them run on
 the calling thread. The arithmetic is the unfused kernels' own (same inline pieces, same order), which
 tests/test_kernels.py holds to the NumPy reference through the model.
 """

@@ -3,9 +3,11 @@
 A decode step is a chain of products `x @ W.T` with x a few rows ([M, K], M = batch) and W a checkpoint
 matrix [N, K] ([out, in], as stored): it is bound by reading W. These kernels read each row of W once
 per step, widen half-precision elements in registers (see bits.py) and accumulate in float32 (float64
-for a float64 model), with output rows split over the threads. Rows of x go eight (then four) at a time:
-W's row, read and widened once, feeds eight accumulators in registers (batch 16 took 1.3-1.5x less time
-than with blocks of four, measured single-threaded), so small batches do not turn compute-bound.
+for a float64 model), with output rows split over the threads. Below TILE_MIN_ROWS rows of x (memory-
+bound) the work items are single columns and rows of x go eight (then four) at a time: W's row, read and
+widened once, feeds eight accumulators. From TILE_MIN_ROWS rows (compute-bound), 16 rows of x no longer fit
+L1 and one column at a time re-read them from L2 for every column; there the work items are blocks of
+columns sized for L2, and 4 rows of x by 2 rows of W make a register tile (`matvec_block`).
 
 Paired forms keep a decode step's chains in compiled code: RMSNorm before a product (`norm_linear`),
 SwiGLU before the down projection (`swiglu_linear`). Larger M (prefill) goes to BLAS on a
