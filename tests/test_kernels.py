@@ -57,6 +57,23 @@ def test_linear_equals_numpy_twin(rows, out, depth, weight, compute, bias, seed)
     assert np.abs(got - want).max() <= tol
 
 
+@settings(max_examples=40)
+@given(rows=st.integers(8, 16), out=st.integers(60, 300), depth=st.integers(1, 200),
+       weight=st.sampled_from(WEIGHT_DTYPES), compute=st.sampled_from(["float32", "float64"]),
+       seed=st.integers(0, 2**16))
+def test_tiled_products_equal_numpy_twin(rows, out, depth, weight, compute, seed):
+    """From TILE_MIN_ROWS rows, 4x2 register tiles over column blocks (several pairs per block here,
+    an odd last column, 1-3 rows past the last tile, depths that are no multiple of a vector)."""
+    assert gemv.TILE_MIN_ROWS <= rows <= gemv.MAX_KERNEL_ROWS
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, depth)).astype(compute)
+    w = rng.standard_normal((out, depth)).astype(as_dtype(weight))
+    got = gemv.linear(x, w)
+    want = layers.linear(x, w)
+    tol = (1e-12 if compute == "float64" else 2e-6) * depth * scale_of(x)
+    assert np.abs(got - want).max() <= tol
+
+
 def test_linear_widens_half_precision_exactly():
     """Each bfloat16/float16 element (normal, subnormal, signed zero, extremes) widens to its exact value."""
     x = np.eye(4, dtype=np.float32)[:1]  # picks column 0 of w.T: out[n] = w[n, 0] exactly
@@ -240,6 +257,57 @@ def test_paged_prefill_attention_equals_contiguous(num_seqs, block_size, cache, 
         assert np.abs(alone - got[s]).max() <= 2e-6 * head_dim
 
 
+@given(kv_heads=st.integers(1, 3), group=st.integers(1, 3), head_dim=st.sampled_from([8, 64, 128]),
+       block_size=st.sampled_from([1, 4, 16]), cache=st.sampled_from(WEIGHT_DTYPES),
+       window=st.one_of(st.none(), st.integers(1, 30)), causal=st.booleans(), data=st.data(),
+       seed=st.integers(0, 2**16))
+def test_varlen_prefill_attention_equals_numpy_attend_per_sequence(kv_heads, group, head_dim, block_size, cache,
+                                                                   window, causal, data, seed):
+    """Several sequences' chunks in one call, each its own length (crossing query tiles) and cached prefix,
+    keys in shuffled blocks: each sequence's rows equal `layers.attend` on its own widened keys."""
+    rng = np.random.default_rng(seed)
+    new = data.draw(st.lists(st.integers(1, 45), min_size=1, max_size=5), label="chunk lengths")
+    cached = data.draw(st.lists(st.integers(0, 50), min_size=len(new), max_size=len(new)), label="cached")
+    lens = [c + n for c, n in zip(cached, new)]
+    counts = [-(-n // block_size) for n in lens]
+    num_blocks = sum(counts) + 3
+    order = rng.permutation(num_blocks)
+    tables = np.zeros((len(new), max(counts)), dtype=np.int64)
+    for s, count in enumerate(counts):
+        tables[s, :count] = order[sum(counts[:s]):sum(counts[:s]) + count]
+    shape = (num_blocks, kv_heads, block_size, head_dim)
+    k_blocks = (2 * rng.standard_normal(shape)).astype(as_dtype(cache))
+    v_blocks = rng.standard_normal(shape).astype(as_dtype(cache))
+    q = (2 * rng.standard_normal((sum(new), kv_heads * group, head_dim))).astype(np.float32)
+    starts = np.concatenate([[0], np.cumsum(new)])
+    masks = [layers.attention_mask(np.arange(c, c + n), np.arange(c + n), causal=causal, sliding_window=window)
+             for c, n in zip(cached, new)]
+    ranges = [prefill_attention.key_ranges(m, 1, n, c + n) for m, c, n in zip(masks, cached, new)]
+    lo = np.concatenate([r[0][0] for r in ranges])
+    hi = np.concatenate([r[1][0] for r in ranges])
+    got = prefill_attention.varlen_prefill_attention(q, k_blocks, v_blocks, tables, starts, lo, hi)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    for s, (c, n) in enumerate(zip(cached, new)):
+        blocks = tables[s, :counts[s]]
+        keys = np.concatenate(list(k_blocks[blocks]), axis=1)[None, :, :c + n].astype(np.float32)
+        values = np.concatenate(list(v_blocks[blocks]), axis=1)[None, :, :c + n].astype(np.float32)
+        mine = q[starts[s]:starts[s + 1]].transpose(1, 0, 2)[None]
+        want = layers.attend(mine, keys, values, masks[s])[0].transpose(1, 0, 2)
+        assert np.abs(got[starts[s]:starts[s + 1]] - want).max() <= 2e-6 * head_dim * scale_of(want)
+
+
+def test_varlen_prefill_attention_refuses_bad_offsets():
+    """query_starts that do not cover the rows, or ranges past the block tables: a ValueError naming them."""
+    q = np.zeros((5, 2, 4), dtype=np.float32)
+    kv = np.zeros((2, 1, 4, 4), dtype=np.float32)
+    tables = np.array([[0], [1]])
+    ok = np.zeros(5, dtype=np.int64), np.ones(5, dtype=np.int64)
+    for starts, (lo, hi) in [([0, 2, 4], ok), ([0, 3, 2, 5][:3], ok), ([0, 2, 5], (ok[0], np.full(5, 5)))]:
+        with pytest.raises(ValueError, match="query_starts"):
+            prefill_attention.varlen_prefill_attention(q, kv, kv, tables, np.array(starts), lo, hi)
+    assert prefill_attention.varlen_prefill_attention(q, kv, kv, tables, np.array([0, 2, 5]), *ok).shape == q.shape
+
+
 def test_key_ranges_from_masks():
     """A mask whose visible keys are one run per row gives lo/hi; any other mask gives None (the model then
     takes the NumPy path); a row that sees nothing gives an empty range and zeros."""
@@ -334,6 +402,18 @@ def test_compiled_backend_equals_numpy_backend(name, batch, prefill, weights, kv
     # step then reaches the logits. Measured worst: 1.2e-4 x scale (bfloat16 cache, float16 weights).
     cache_eps = 0.0 if kv_dtype is None else float(ml_dtypes.finfo(as_dtype(kv_dtype)).eps)
     assert np.abs(got - want).max() <= max(1e-4, cache_eps / 4) * scale_of(want)
+
+
+@settings(max_examples=8)
+@given(name=st.sampled_from(list(CONFIGS)), batch=st.integers(8, 16),
+       weights=st.sampled_from(["float32", "bfloat16", "float16"]), seed=st.integers(0, 2**16))
+def test_batched_decode_in_register_tiles_equals_numpy_backend(name, batch, weights, seed):
+    """Batches of 8-16 rows decode through the fused block kernels' 2-D register tiles: the same logits
+    as the NumPy reference, to float32 rounding."""
+    compiled, reference = model_pair(CONFIGS[name], np.float32, weights)
+    ids = np.random.default_rng(seed).integers(0, 97, size=(batch, 7))
+    got, want = run_schedule(compiled, ids, 3, None), run_schedule(reference, ids, 3, None)
+    assert np.abs(got - want).max() <= 1e-4 * scale_of(want)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

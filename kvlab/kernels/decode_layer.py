@@ -17,7 +17,7 @@ weights 28 -> 22.5 ms at 128 context, 38 -> 27 ms at 1024; float32 50 -> 41 and 
 its own call so that the kernels compile per (compute dtype x weight dtype) and per (compute dtype x
 cache dtype), not per product of the three.
 
-Each product's output columns go over the threads (`gemv.matvec_column`); the steps between them run on
+Each product's output columns go over the threads (`gemv.products`); the steps between them run on
 the calling thread. The arithmetic is the unfused kernels' own (same inline pieces, same order), which
 tests/test_kernels.py holds to the NumPy reference through the model.
 """
@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from kvlab.kernels.gemv import FASTMATH, matvec_column, rms_norm_rows, silu_times_up
+from kvlab.kernels.gemv import FASTMATH, products, rms_norm_rows, silu_times_up
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
@@ -37,8 +37,7 @@ def qkv_rope(x, norm, eps, w_qkv, bias, cos, sin, rotated_heads, out, zero):
     sin sign-folded ([-sin, sin]), as the model's `rotate_halves`. An empty `bias` means none."""
     xn = np.empty_like(x)
     rms_norm_rows(x, norm, eps, xn, zero)
-    for n in prange(w_qkv.shape[0]):
-        matvec_column(xn, w_qkv, out, zero, n)
+    products(xn, w_qkv, out, zero)
     half = cos.shape[2]
     for b in range(x.shape[0]):
         row, c, s = out[b], cos[b], sin[b]
@@ -59,8 +58,7 @@ def output_mlp(x, attn, w_o, b_o, norm, eps, w_gate_up, w_down, zero):
     rest of a block after attention, in place."""
     batch, hidden = x.shape
     projected = np.empty((batch, hidden), dtype=x.dtype)
-    for n in prange(hidden):
-        matvec_column(attn, w_o, projected, zero, n)
+    products(attn, w_o, projected, zero)
     for b in range(batch):
         for i in range(hidden):
             x[b, i] += projected[b, i] + (b_o[i] if b_o.shape[0] else zero)
@@ -68,14 +66,12 @@ def output_mlp(x, attn, w_o, b_o, norm, eps, w_gate_up, w_down, zero):
     rms_norm_rows(x, norm, eps, xn, zero)
     inter = w_down.shape[1]
     gate_up = np.empty((batch, 2 * inter), dtype=x.dtype)
-    for n in prange(2 * inter):
-        matvec_column(xn, w_gate_up, gate_up, zero, n)
+    products(xn, w_gate_up, gate_up, zero)
     act = np.empty((batch, inter), dtype=x.dtype)
     for b in range(batch):
         silu_times_up(gate_up[b], act[b], inter)
     down = np.empty((batch, hidden), dtype=x.dtype)
-    for n in prange(hidden):
-        matvec_column(act, w_down, down, zero, n)
+    products(act, w_down, down, zero)
     for b in range(batch):
         for i in range(hidden):
             x[b, i] += down[b, i]

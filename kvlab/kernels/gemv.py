@@ -3,9 +3,11 @@
 A decode step is a chain of products `x @ W.T` with x a few rows ([M, K], M = batch) and W a checkpoint
 matrix [N, K] ([out, in], as stored): it is bound by reading W. These kernels read each row of W once
 per step, widen half-precision elements in registers (see bits.py) and accumulate in float32 (float64
-for a float64 model), with output rows split over the threads. Rows of x go eight (then four) at a time:
-W's row, read and widened once, feeds eight accumulators in registers (batch 16 took 1.3-1.5x less time
-than with blocks of four, measured single-threaded), so small batches do not turn compute-bound.
+for a float64 model), with output rows split over the threads. Below TILE_MIN_ROWS rows of x (memory-
+bound) the work items are single columns and rows of x go eight (then four) at a time: W's row, read and
+widened once, feeds eight accumulators. From TILE_MIN_ROWS rows (compute-bound), 16 rows of x no longer fit
+L1 and one column at a time re-read them from L2 for every column; there the work items are blocks of
+columns sized for L2, and 4 rows of x by 2 rows of W make a register tile (`matvec_block`).
 
 Paired forms keep a decode step's chains in compiled code: RMSNorm before a product (`norm_linear`),
 SwiGLU before the down projection (`swiglu_linear`). Larger M (prefill) goes to BLAS on a
@@ -23,6 +25,8 @@ from kvlab.kernels.fastexp import fast_exp
 
 FASTMATH = {"reassoc", "contract"}  # vectorised sums; no assumptions about inf/nan (silu needs inf)
 MAX_KERNEL_ROWS = 16  # above this many rows of x, BLAS on widened weights is faster
+TILE_MIN_ROWS = 8  # from this many rows of x, 2-D register tiles (`matvec_block`)
+TILE_BLOCK_BYTES = 128 * 1024  # the rows of w one work item holds in L2 while x's row blocks pass over them
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
@@ -68,11 +72,80 @@ def matvec_column(x, w, out, zero, n):
         out[m, n] = acc
 
 
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def _tile_4x2(x, w, out, zero, m, n):
+    """out[m:m+4, n:n+2]: four rows of x by two rows of w, eight accumulators in registers.
+
+    Each loaded (and widened) vector of w feeds four multiply-adds and each vector of x two, so the loop
+    does 6 loads per 8 FMAs (one-column blocks of 8 rows: 9 per 8, x re-read from L2 for every column).
+    Eight accumulators fill AVX2's 16 registers with the operands; a third column spilled (numba
+    inspect_asm on Zen 3)."""
+    depth = x.shape[1]
+    x0, x1, x2, x3 = x[m], x[m + 1], x[m + 2], x[m + 3]
+    w0, w1 = w[n], w[n + 1]
+    a00, a10, a20, a30, a01, a11, a21, a31 = zero, zero, zero, zero, zero, zero, zero, zero
+    for k in range(depth):
+        v0, v1 = widen(w0[k]), widen(w1[k])
+        a00 += x0[k] * v0
+        a10 += x1[k] * v0
+        a20 += x2[k] * v0
+        a30 += x3[k] * v0
+        a01 += x0[k] * v1
+        a11 += x1[k] * v1
+        a21 += x2[k] * v1
+        a31 += x3[k] * v1
+    out[m, n], out[m + 1, n], out[m + 2, n], out[m + 3, n] = a00, a10, a20, a30
+    out[m, n + 1], out[m + 1, n + 1], out[m + 2, n + 1], out[m + 3, n + 1] = a01, a11, a21, a31
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def column_block(rows, columns, depth, itemsize):
+    """Output columns per parallel work item. Below TILE_MIN_ROWS rows, one (the threads balance column by
+    column). From it, an even count whose rows of w fit TILE_BLOCK_BYTES, so that w's block stays in L2
+    while each 4-row block of x passes over it, and at most a 1/32 share of the columns, so that the
+    threads' shares stay even."""
+    if rows < TILE_MIN_ROWS:
+        return 1
+    fits = TILE_BLOCK_BYTES // max(depth * itemsize, 1)
+    return max(2, min(fits, columns // 32) // 2 * 2)
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def matvec_block(x, w, out, zero, n0, n1):
+    """out[:, n0:n1] = x @ w[n0:n1].T. Fewer than TILE_MIN_ROWS rows (memory-bound: one pass over each
+    row of w, one stream): column by column. More: 4x2 register tiles over the block (compute-bound)."""
+    rows = x.shape[0]
+    if rows < TILE_MIN_ROWS:
+        for n in range(n0, n1):
+            matvec_column(x, w, out, zero, n)
+        return
+    tiled = rows - rows % 4
+    for m in range(0, tiled, 4):
+        for n in range(n0, n1 - 1, 2):
+            _tile_4x2(x, w, out, zero, m, n)
+    if (n1 - n0) % 2 or tiled < rows:  # the block's odd last column for the tiled rows; the last rows
+        rest_x, rest_out = x[tiled:], out[tiled:]
+        for n in range(n0, n1):
+            if n == n1 - 1 and (n1 - n0) % 2:
+                matvec_column(x[:tiled], w, out[:tiled], zero, n)
+            if tiled < rows:
+                matvec_column(rest_x, w, rest_out, zero, n)
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def products(x, w, out, zero):
+    """out = x @ w.T: blocks of output columns over the threads (inlined into each parallel caller, so
+    that a fused block kernel stays one call)."""
+    columns = w.shape[0]
+    width = column_block(x.shape[0], columns, w.shape[1], w.itemsize)
+    for block in prange((columns + width - 1) // width):
+        matvec_block(x, w, out, zero, block * width, min(columns, (block + 1) * width))
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def _matvec(x, w, out, zero):
-    """out[m, n] = sum_k x[m, k] * w[n, k]: output columns over the threads."""
-    for n in prange(w.shape[0]):
-        matvec_column(x, w, out, zero, n)
+    """out[m, n] = sum_k x[m, k] * w[n, k]."""
+    products(x, w, out, zero)
 
 
 @njit(parallel=True, cache=True)

@@ -164,9 +164,10 @@ class PagedAttention:
     """A batch of sequences over a block pool: new rows written through the slot mapping, each sequence
     attending to its own blocks.
 
-    One-token sequences (decodes) share one padded attention call; prefill chunks attend sequence by
-    sequence. Compiled and float pool: kernels that read the blocks in place; otherwise the NumPy
-    reference gathers them (model/paged_attention.py).
+    One-token sequences (decodes) share one padded attention call; compiled on a float pool, every prefill
+    chunk (each its own length and cached prefix) attends in one more call, kernels that read the blocks
+    in place. Otherwise (or for a chunk whose visible keys are not one run per query) the NumPy reference
+    gathers them sequence by sequence (model/paged_attention.py).
     """
 
     def __init__(self, pool: PagedKV, batch: BatchInput, config: ModelConfig, compiled: bool) -> None:
@@ -197,6 +198,7 @@ class PagedAttention:
         self.decode_in_place = compiled and (self.in_place or hasattr(self.key_cache[0], "stored"))
         self.seq_tables = {i: np.array([batch.block_tables[i]], dtype=np.int64) for i in self.others}
         self.ranges = {}  # compiled prefill: each chunk's visible keys as one range per query
+        self.prefill = None  # compiled prefill: one call over every chunk with ranges (_PrefillCall)
         if self.decode_in_place:
             from kvlab.kernels import attention as decode_kernels
 
@@ -204,7 +206,6 @@ class PagedAttention:
         if self.in_place:
             from kvlab.kernels import prefill_attention
 
-            self._prefill = prefill_attention
             for i in self.others:
                 query_positions = positions[self.starts[i]:self.starts[i + 1]]
                 mask = attention_mask(query_positions, np.arange(batch.context_lens[i]), causal=self.causal,
@@ -214,6 +215,10 @@ class PagedAttention:
                 if self.ranges[i] is not None and batch.key_starts is not None:
                     lo, hi = self.ranges[i]
                     self.ranges[i] = (np.maximum(lo, batch.key_starts[i]), hi)
+            ranged = [i for i in self.others if self.ranges[i] is not None]
+            if ranged:
+                self.prefill = _PrefillCall(prefill_attention, ranged, self.starts, self.ranges,
+                                            [batch.block_tables[i] for i in ranged])
 
     def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         key_cache, value_cache = self.key_cache[layer], self.value_cache[layer]
@@ -228,13 +233,12 @@ class PagedAttention:
                                   self.decode_positions, self.decode_lens, causal=self.causal,
                                   sliding_window=self.window, key_starts=self.decode_starts)
             attn[self.decode_rows] = out[:, :, 0]
+        if self.prefill is not None:
+            attn[self.prefill.rows] = self.prefill(q, key_cache, value_cache)
         for i in self.others:
-            rows = slice(self.starts[i], self.starts[i + 1])
             if self.ranges.get(i) is not None:
-                attn[rows] = self._prefill.paged_prefill_attention(
-                    q[rows].transpose(1, 0, 2)[None], key_cache, value_cache, self.seq_tables[i],
-                    *self.ranges[i])[0].transpose(1, 0, 2)
                 continue
+            rows = slice(self.starts[i], self.starts[i + 1])
             out = paged_attention(q[rows].transpose(1, 0, 2)[None], key_cache, value_cache, self.seq_tables[i],
                                   self.positions[rows][None], [self.context_lens[i]], causal=self.causal,
                                   sliding_window=self.window,
@@ -246,6 +250,27 @@ class PagedAttention:
 def _stored(blocks: object) -> object:
     """A pool layer as the decode kernel reads it: a float array as it is, quantized blocks' StoredCodes."""
     return blocks if isinstance(blocks, np.ndarray) else blocks.stored()
+
+
+class _PrefillCall:
+    """Every compiled prefill chunk of a paged batch in one kernel call, set up once per forward: the
+    chunks' rows of the flat batch, where each chunk starts among them, their key ranges and block tables."""
+
+    def __init__(self, kernels, seqs: list[int], starts: np.ndarray, ranges: dict, tables: list[list[int]]) -> None:
+        """seqs: the chunks' sequences in the batch; starts [S + 1]: the batch's row offsets; ranges[i]: the
+        (lo, hi) [1, n] of sequence i's chunk (prefill_attention.key_ranges)."""
+        self.kernels = kernels
+        self.rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in seqs])
+        lens = [starts[i + 1] - starts[i] for i in seqs]
+        self.query_starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        self.lo = np.concatenate([ranges[i][0][0] for i in seqs])
+        self.hi = np.concatenate([ranges[i][1][0] for i in seqs])
+        self.tables = _padded(tables)
+
+    def __call__(self, q: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray) -> np.ndarray:
+        """The chunks' attention [rows, H_q, d] for one layer's q [N, H_q, d] (new K/V written already)."""
+        return self.kernels.varlen_prefill_attention(q[self.rows], key_cache, value_cache, self.tables,
+                                                     self.query_starts, self.lo, self.hi)
 
 
 def _padded(tables: list[list[int]]) -> np.ndarray:
