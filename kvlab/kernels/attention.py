@@ -27,14 +27,13 @@ to its twin.
 from __future__ import annotations
 
 import math
-from types import FunctionType
-
 import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
 from kvlab.kernels.attention_formats import FLOAT, FP8_E4M3, FP8_E5M2, INT4, INT8, StoredCodes
 from kvlab.kernels.bits import as_kernel_array, widen
+from kvlab.kernels.compile_names import renamed
 from kvlab.kernels.fastexp import fast_exp
 
 FASTMATH = {"reassoc", "contract"}
@@ -275,18 +274,8 @@ def _decode_py(q, kc, ks, kz, vc, vs, vz, kind, group, block_tables, starts, end
 PARALLEL_MIN_ROWS = 2048
 
 
-def _renamed(func: FunctionType, name: str) -> FunctionType:
-    """`func` under another name. numba's disk cache finds a function by its qualified name, source line
-    and bytecode, not by its compile flags: a parallel and a serial compile of one function share cache
-    files, and each loads whichever was stored first (measured: the "serial" kernel, loaded from a cache
-    the parallel one had filled, took 4.5x longer at 4096 keys on a busy 2-core machine)."""
-    clone = FunctionType(func.__code__, func.__globals__, name, func.__defaults__, func.__closure__)
-    clone.__qualname__ = name
-    return clone
-
-
 _decode_parallel = njit(parallel=True, fastmath=FASTMATH, cache=True)(_decode_py)
-_decode_serial = njit(fastmath=FASTMATH, cache=True)(_renamed(_decode_py, "_decode_serial_py"))
+_decode_serial = njit(fastmath=FASTMATH, cache=True)(renamed(_decode_py, "_decode_serial_py"))
 _NO_SCALES = np.zeros((1, 1, 1, 1), dtype=np.int16)  # what a float store passes for scales and zeros
 
 

@@ -21,6 +21,7 @@ import numpy as np
 from numba import njit, prange
 
 from kvlab.kernels.bits import as_kernel_array, widen
+from kvlab.kernels.compile_names import renamed
 from kvlab.kernels.fastexp import fast_exp
 
 FASTMATH = {"reassoc", "contract"}  # vectorised sums; no assumptions about inf/nan (silu needs inf)
@@ -189,7 +190,7 @@ def silu_times_up(gate_up, out, inter):
 # A prefill's thousands of rows go over the threads; a decode step's one row stays on the calling thread
 # (waking the other costs more than the row).
 _swiglu_parallel = njit(parallel=True, fastmath=FASTMATH, cache=True)(swiglu_rows)
-_swiglu_serial = njit(fastmath=FASTMATH, cache=True, inline="always")(swiglu_rows)
+_swiglu_serial = njit(fastmath=FASTMATH, cache=True, inline="always")(renamed(swiglu_rows, "swiglu_rows_serial"))
 SWIGLU_PARALLEL_ROWS = 8
 
 
