@@ -153,7 +153,8 @@ def test_fused_quantized_layers_give_the_dequantized_models_logits_and_tokens(tm
     path = tmp_path / "m.gguf"
     sizes = dict(hidden_size=256, intermediate_size=512) if type_name.endswith("_K") else {}
     write_gguf(path, small_config("llama", max_position_embeddings=128, **sizes), types=(type_name,))
-    reference, tokenizer = kvlab.load(path, backend="numpy")
+    reference, tokenizer = kvlab.load(path, backend="numpy", weights_dtype="float32")
+    assert not reference.quantized
     model, _ = kvlab.load(path, weights_dtype="stored", backend="numba")
     assert all(isinstance(layer, QuantizedLayer) for layer in model._bound_layers)
     ids = np.array([tokenizer.encode("The quick brown fox jumps over the lazy dog")[:12]])

@@ -113,7 +113,7 @@ def test_a_gguf_kept_as_stored_computes_the_dequantized_models_logits(tmp_path, 
     import kvlab
 
     path, _ = small_gguf(tmp_path, types)
-    reference, tokenizer = kvlab.load(path, backend="numpy")                   # dequantized to float32
+    reference, tokenizer = kvlab.load(path, backend="numpy", weights_dtype="float32")  # the reference
     model, _ = kvlab.load(path, weights_dtype="stored", backend=backend)
     assert model.quantized and any(isinstance(layer.w_qkv, QuantizedMatrix) or
                                    type(layer.w_qkv).__name__ == "RowStack" for layer in model.layers)
