@@ -156,7 +156,7 @@ def test_fused_quantized_layers_give_the_dequantized_models_logits_and_tokens(tm
     reference, tokenizer = kvlab.load(path, backend="numpy", weights_dtype="float32")
     assert not reference.quantized
     model, _ = kvlab.load(path, weights_dtype="stored", backend="numba")
-    assert all(isinstance(layer, QuantizedLayer) for layer in model._bound_layers)
+    assert all(isinstance(layer, QuantizedLayer) for layer in model.ops.bind(model.layers))
     ids = np.array([tokenizer.encode("The quick brown fox jumps over the lazy dog")[:12]])
     want = reference.forward(ids).logits
     scale = float(np.abs(want).max()) + 1
