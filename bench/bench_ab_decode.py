@@ -9,7 +9,8 @@ the median of the per-round ratios (the figure to quote: one noisy round cannot 
     python bench/bench_ab_decode.py --old /tmp/kvlab-old --new . \\
         [--configs numba-f32-1:128 numba-bf16-1:128 numba-f32-16:128] [--rounds 6] [--steps 24]
 
-A config is BACKEND-WEIGHTS-BATCH:CONTEXT, WEIGHTS f32 or bf16.
+A config is BACKEND-WEIGHTS-BATCH:CONTEXT, WEIGHTS f32, bf16 or a block type kept as stored (q8_0, q4_0,
+q4_1, q5_0, q5_1: quantized at load, both trees must have kvlab.model.quantized).
 """
 
 from __future__ import annotations
@@ -39,8 +40,12 @@ for line in sys.stdin:
     context, steps = int(context), int(steps)
     backend, kind, batch = name.split("-")
     if name not in models:
-        models[name] = LlamaModel(config, weights, dtype=np.float32, backend=backend,
-                                  weights_dtype=None if kind == "f32" else "bfloat16")
+        if kind in ("f32", "bf16"):
+            models[name] = LlamaModel(config, weights, dtype=np.float32, backend=backend,
+                                      weights_dtype=None if kind == "f32" else "bfloat16")
+        else:  # a GGUF block type, quantized at load with llama.cpp's encoder and kept as stored
+            from kvlab.model.quantized import quantize_weights
+            models[name] = LlamaModel(config, quantize_weights(weights, kind), dtype=np.float32, backend=backend)
         models[name].warm_up()
     model, batch = models[name], int(batch)
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (batch, context + steps))

@@ -9,9 +9,11 @@ side in one process, alternating round by round, 2 threads:
   * the roofline: the bytes a step reads (weights as kvlab keeps them + the K/V at that context) over the
     streaming-read bandwidth measured in the same run (a parallel sum over 512 MiB);
   * prefill of 128 tokens;
+  * batched decode (--batch sequences, default 16, one step for all): tokens/s and its ratio to batch 1;
   * logits error against the float32 model of the same (dequantized) values: the kernels' summation order.
 
     python bench/bench_weight_formats.py [--formats float32 bfloat16 q8_0 q4_0 q4_1] [--steps 16] [--repeats 3]
+        [--batch 16]
 
 llama.cpp on the same files is not run here yet (the issue's bench); llama-cpp-python builds from source in
 ~15 minutes on two cores (`pip install -e '.[bench]'`).
@@ -50,19 +52,22 @@ def step_bytes(model: LlamaModel, context: int) -> int:
     return weights + kv
 
 
-def decode_ms(model: LlamaModel, prompt: np.ndarray, steps: int) -> tuple[float, float]:
-    """(median decode ms/step, prefill ms) after a prefill of `prompt`."""
-    cache = model.new_cache(1, capacity=prompt.shape[1] + steps + 1)
+def decode_ms(model: LlamaModel, prompt: np.ndarray, steps: int) -> tuple[float, float, float]:
+    """(median decode ms/step, median process CPU ms/step, prefill ms) after a prefill of `prompt`
+    ([B, T]: B sequences decoded together). CPU time (both threads) is the steadier figure when other
+    processes hold the cores: it leaves out the time this process waited for one."""
+    cache = model.new_cache(prompt.shape[0], capacity=prompt.shape[1] + steps + 1)
     start = time.perf_counter()
     model.forward(prompt, cache=cache, logits_to_keep=1)
     prefill = time.perf_counter() - start
-    token = np.array([[1]])
-    times = []
+    token = np.ones((prompt.shape[0], 1), dtype=np.int64)
+    times, cpu = [], []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         model.forward(token, cache=cache)
         times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times), 1e3 * prefill
+        cpu.append(time.process_time() - start_cpu)
+    return 1e3 * statistics.median(times), 1e3 * statistics.median(cpu), 1e3 * prefill
 
 
 def main() -> None:
@@ -71,6 +76,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--context", type=int, default=128)
+    p.add_argument("--batch", type=int, default=16, help="also decode this many sequences together (0: skip)")
+    p.add_argument("--batch-context", type=int, default=32, help="their context (a short prefill: 16 x 128 "
+                   "tokens of prefill per format and round would dominate the run)")
     args = p.parse_args()
     config = ModelConfig(**SHAPE)
     weights = random_weights(config, 0, np.float32)
@@ -92,23 +100,32 @@ def main() -> None:
         want = values.forward(check).logits if values is not None else got
         errors[name] = float(np.abs(got - want).max()) / (float(np.abs(want).max()) + 1)
         decode_ms(model, prompt[:, :4], 2)
-    best = {name: (float("inf"), float("inf")) for name in models}
+        if args.batch:
+            decode_ms(model, np.repeat(prompt[:, :4], args.batch, axis=0), 2)
+    inf = float("inf")
+    best = {name: [inf] * 5 for name in models}  # decode ms, cpu ms, prefill ms, batch ms, batch cpu ms
     bandwidth = 0.0
+    batch_prompt = np.repeat(prompt[:, :args.batch_context], args.batch, axis=0)
     for _ in range(args.repeats):
         bandwidth = max(bandwidth, measure_bandwidth(3))
         for name, model in models.items():
-            ms, pre = decode_ms(model, prompt, args.steps)
-            best[name] = (min(best[name][0], ms), min(best[name][1], pre))
-    print(f"streaming read {bandwidth / 1e9:.1f} GB/s; context {args.context}; 2 threads")
-    print(f"{'weights':<10}{'MB/step':>9}{'decode ms':>11}{'tok/s':>8}{'x roofline':>12}{'vs f32':>8}"
-          f"{'prefill ms':>12}{'err/scale':>11}")
-    f32 = best.get("float32", (None,))[0]
+            got = list(decode_ms(model, prompt, args.steps))
+            got += list(decode_ms(model, batch_prompt, args.steps)[:2]) if args.batch else [inf, inf]
+            best[name] = [min(a, b) for a, b in zip(best[name], got)]
+    print(f"streaming read {bandwidth / 1e9:.1f} GB/s; context {args.context}; 2 threads; best of {args.repeats} "
+          f"rounds of the median of {args.steps} steps; cpu = process CPU time per step (both threads); "
+          f"batch {args.batch} at context {args.batch_context}")
+    print(f"{'weights':<10}{'MB/step':>9}{'decode ms':>11}{'cpu ms':>8}{'tok/s':>8}{'x roofline':>12}{'vs f32':>8}"
+          f"{'cpu vs f32':>11}{'prefill ms':>12}{f'b{args.batch} tok/s':>11}{'b/b1':>7}{'err/scale':>11}")
+    f32, f32_cpu = best.get("float32", [None, None])[:2]
     for name, model in models.items():
-        ms, pre = best[name]
+        ms, cpu, pre, batch_ms, _ = best[name]
         read = step_bytes(model, args.context)
         roof = 1e3 * read / bandwidth
-        print(f"{name:<10}{read / 1e6:>9.1f}{ms:>11.2f}{1e3 / ms:>8.1f}{ms / roof:>11.2f}x"
-              f"{(f32 / ms if f32 else float('nan')):>7.2f}x{pre:>12.1f}{errors[name]:>11.1e}")
+        batch_rate = 1e3 * args.batch / batch_ms if args.batch else float("nan")
+        print(f"{name:<10}{read / 1e6:>9.1f}{ms:>11.2f}{cpu:>8.2f}{1e3 / ms:>8.1f}{ms / roof:>11.2f}x"
+              f"{(f32 / ms if f32 else float('nan')):>7.2f}x{(f32_cpu / cpu if f32_cpu else float('nan')):>10.2f}x"
+              f"{pre:>12.1f}{batch_rate:>11.1f}{batch_rate * ms / 1e3:>6.2f}x{errors[name]:>11.1e}")
 
 
 if __name__ == "__main__":

@@ -44,8 +44,9 @@ def load_model(path: str | Path | None = None, dtype: Any = DEFAULT_COMPUTE_DTYP
 
     `weights_dtype`: for an HF folder "auto" keeps float16/bfloat16 matrices as stored, "float32" casts
     them, and a GGUF block type ("q8_0", "q4_0", ...) quantizes every matrix at load with llama.cpp's
-    encoder; for a GGUF file "stored" keeps every matrix as the file stores it (block types read by the
-    quantized kernels), anything else ("auto" included) dequantizes it into the compute dtype."""
+    encoder; for a GGUF file "auto" (with float32 compute) and "stored" keep every matrix as the file
+    stores it (block types read by the quantized kernels, F16/BF16 half), anything else ("float32", or
+    "auto" with float64 compute) dequantizes it into the compute dtype: the reference."""
     if gguf_file(path) is not None:
         return load_gguf(path, dtype, progress, backend=backend, weights_dtype=_gguf_weights(weights_dtype, dtype))[0]
     if _quantize_to(weights_dtype) is not None:
@@ -54,7 +55,12 @@ def load_model(path: str | Path | None = None, dtype: Any = DEFAULT_COMPUTE_DTYP
 
 
 def _gguf_weights(weights_dtype: str, dtype: Any) -> str:
-    return "stored" if weights_dtype == "stored" else np.dtype(dtype).name
+    """A GGUF's weights: as stored by default (decode reads 3-5x fewer bytes than float32, and is faster:
+    README's weight-format table), dequantized to the compute dtype when asked or when computing in float64
+    (the quantized kernels compute in float32)."""
+    if weights_dtype == "stored" or (weights_dtype == "auto" and np.dtype(dtype) == np.float32):
+        return "stored"
+    return np.dtype(dtype).name
 
 
 def _quantize_to(weights_dtype: Any) -> str | None:

@@ -62,10 +62,13 @@ def test_the_files_cover_every_supported_type(files):
 @pytest.mark.parametrize("name", list(FILES))
 def test_logits_and_greedy_tokens_match_transformers(files, name):
     path, written, config = files[name]
-    model, tokenizer = kvlab.load(path)
+    model, tokenizer = kvlab.load(path, weights_dtype="float32")  # dequantized: the reference path
     assert model.config.architecture == config.architecture
     assert model.config.tie_word_embeddings == config.tie_word_embeddings
     ids = tokenizer.encode(TEXT)[:48]
+    stored, _ = kvlab.load(path)  # the default keeps the file's blocks: the same logits to float32 rounding
+    want = model.forward(np.array([ids])).logits
+    assert np.abs(stored.forward(np.array([ids])).logits - want).max() <= 1e-4 * (np.abs(want).max() + 1)
 
     # the same weights, handed to kvlab directly: the GGUF path adds nothing (exact)
     direct = LlamaModel(model.config, weights=written, dtype=np.float32)

@@ -95,7 +95,7 @@ def test_convert_writes_a_folder_kvlab_and_transformers_read(model_file, tmp_pat
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in out.iterdir()) == ["chat_template.jinja", "config.json", "generation_config.json",
                                                     "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
-    gguf_model, gguf_tokenizer = kvlab.load(model_file)
+    gguf_model, gguf_tokenizer = kvlab.load(model_file, weights_dtype="float32")  # dequantized, as converted
     hf_model, hf_tokenizer = kvlab.load(out)
     ids = gguf_tokenizer.encode(TEXT)
     assert hf_tokenizer.encode(TEXT) == ids

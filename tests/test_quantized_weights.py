@@ -113,7 +113,7 @@ def test_a_gguf_kept_as_stored_computes_the_dequantized_models_logits(tmp_path, 
     import kvlab
 
     path, _ = small_gguf(tmp_path, types)
-    reference, tokenizer = kvlab.load(path, backend="numpy")                   # dequantized to float32
+    reference, tokenizer = kvlab.load(path, backend="numpy", weights_dtype="float32")  # the reference
     model, _ = kvlab.load(path, weights_dtype="stored", backend=backend)
     assert model.quantized and any(isinstance(layer.w_qkv, QuantizedMatrix) or
                                    type(layer.w_qkv).__name__ == "RowStack" for layer in model.layers)
@@ -154,3 +154,25 @@ def test_quantize_at_load_and_bad_weight_choices(tmp_path):
         kvlab.load(path, dtype="float64", weights_dtype="stored")
     with pytest.raises(ConfigError, match="need float32 compute"):
         kvlab.load(dtype="float64", weights_dtype="q4_0")
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q6_K", "Q5_0"), ("F16", "Q8_0", "Q4_1")])
+def test_memory_reports_the_resident_weight_bytes_of_a_gguf(tmp_path, types):
+    """`kvlab memory --model x.gguf` gives the weights' resident bytes from the directory alone: what the
+    loader keeps as stored (codes + float32 scales/offsets, half as half), and as float32."""
+    import json
+    import subprocess
+    import sys
+
+    from kvlab.cli.memory import gguf_weight_bytes
+    from kvlab.gguf.loader import read_checkpoint
+
+    path, _ = small_gguf(tmp_path, types)
+    kept = read_checkpoint(path, np.float32, progress=False, keep_stored=True).weights
+    assert any(isinstance(w, QuantizedMatrix) for w in kept.values())
+    assert gguf_weight_bytes(str(path)) == {"weights_stored": sum(w.nbytes for w in kept.values()),
+                                            "weights_float32": 4 * sum(int(np.prod(w.shape)) for w in kept.values())}
+    done = subprocess.run([sys.executable, "-m", "kvlab.cli", "memory", "--model", str(path), "--json"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["weight_bytes_stored"] == sum(w.nbytes for w in kept.values())

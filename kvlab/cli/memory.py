@@ -42,6 +42,30 @@ def _default_dtype(path: str | None) -> str:
     return "float64" if path is None else DEFAULT_COMPUTE_DTYPE  # TinyLlama (chat --tiny) computes in float64
 
 
+def gguf_weight_bytes(path: str) -> dict[str, int] | None:
+    """Resident weight bytes of a GGUF file's tensors, from its directory alone: kept as stored (what
+    `kvlab.load` keeps: block types unpacked as codes + float32 scales/offsets, F16/BF16 half, the rest
+    float32) and dequantized to float32 (`weights_dtype="float32"`). None for an HF model."""
+    from kvlab.gguf.loader import gguf_file
+    from kvlab.gguf.reader import read_gguf
+    from kvlab.model.ggml_quants import BLOCK_SIZES, resident_bytes
+
+    found = gguf_file(path)
+    if found is None:
+        return None
+    stored = float32 = 0
+    for info in read_gguf(found).tensors.values():
+        count = 1
+        for size in info.shape:
+            count *= size
+        float32 += 4 * count
+        if len(info.shape) == 2 and info.type_name in BLOCK_SIZES:
+            stored += resident_bytes(info.type_name, info.shape)
+        else:
+            stored += count * (2 if len(info.shape) == 2 and info.type_name in ("F16", "BF16") else 4)
+    return {"weights_stored": stored, "weights_float32": float32}
+
+
 def run(args: argparse.Namespace) -> int:
     from kvlab.loader import model_config
 
@@ -66,6 +90,10 @@ def run(args: argparse.Namespace) -> int:
         "scale_bytes_per_token": kv_scale_bytes_per_token(config, dtype),
         "scale_bytes_per_token_by_dtype": {d: kv_scale_bytes_per_token(config, d) for d in DTYPE_BYTES},
     }
+    weights = gguf_weight_bytes(args.config) if args.config else None
+    if weights is not None:
+        result["weight_bytes_stored"] = weights["weights_stored"]
+        result["weight_bytes_float32"] = weights["weights_float32"]
     if budget is not None:
         result["budget_bytes"] = budget
         result["tokens_in_budget"] = tokens_in_budget(config, budget, args.batch, dtype)
@@ -79,6 +107,9 @@ def run(args: argparse.Namespace) -> int:
     con.print(f"K/V bytes per token = 2 x {config.num_hidden_layers} x {config.num_key_value_heads} x "
               f"{config.head_dim} x {DTYPE_BYTES[dtype]:g} B ({dtype}) = [bold]{per_token:,.0f}[/] bytes")
     con.print(f"{tokens:,} tokens x batch {args.batch} = [bold]{total:,.0f}[/] bytes ({human_bytes(total)})")
+    if weights is not None:
+        con.print(f"weights resident: [bold]{human_bytes(weights['weights_stored'])}[/] as stored (GGUF blocks "
+                  f"as codes + float32 scales), {human_bytes(weights['weights_float32'])} dequantized to float32")
     if budget is not None:
         con.print(f"budget {human_bytes(budget)} holds [bold]{result['tokens_in_budget']:,}[/] tokens per "
                   f"sequence at batch {args.batch}")

@@ -1,13 +1,14 @@
-"""Matrix-vector and small-batch products over quantized weights, read as codes, scales and offsets.
+"""Matrix-vector and small-batch products over quantized weights in the kernels' tiled layout.
 
-A weight row of a quantized matrix is groups of 16 or 32 integer codes with one scale (and offset) per
-group (kvlab/model/ggml_quants.py). Per group and row of x the kernel forms the integer-coded dot product
-sum_j x_j c_j in float32 and applies the group's scale once: sum_g (s_g sum_j x_j c_j + o_g sum_j x_j),
-where the group sums of x (for offsets) are computed once per product, not once per weight row. That is
-the dequantized product up to summation order: the codes are exact small integers and scale, offset are
-the file's. Codes are widened in registers from int8 or from nibbles; rows of x go four at a time, so a
-group's codes, read once, feed four accumulators (batched decode reuses each block across rows). Output
-rows are split over the threads. The NumPy twin is `ggml_quants.dequantize` followed by `x @ W.T`.
+A weight matrix arrives as tiles of eight output rows interleaved (kvlab/model/qtiles.py) and a row-ordered
+tail of N % 8 rows. Per tile, `qsimd.tile_product_R` runs rows of x four at a time (then 3, 2, 1) with the
+eight output rows in the lanes of a register: codes widened in registers, one FMA per column and row of x,
+per group one `scale * dot (+ offset * sum_g x)` on the eight lanes. A tile's codes (K bytes per row, a
+few KiB) stay in L1 while the blocks of four rows of x reuse them. The tail rows go through a plain
+per-row loop (`tail_rows`). Tiles go over the threads.
+
+The group sums of x (for offsets: Q4_0's -8 scale, Q4_1/Q5_1's min, the K types' mins) are computed once
+per product, not per weight row. The NumPy twin is `ggml_quants.dequantize` followed by `x @ W.T`.
 """
 
 from __future__ import annotations
@@ -15,107 +16,131 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from kvlab.kernels.bits import widen
+from kvlab.kernels.qsimd import tile_product_1, tile_product_2, tile_product_3, tile_product_4
 
 FASTMATH = {"reassoc", "contract"}
+NO_OFFSETS = np.zeros((0, 0), dtype=np.float32)
 
 
-@njit(fastmath=FASTMATH, cache=True, inline="always")
-def _group_dot_int8(xg, cg, zero):
-    acc = zero
-    for j in range(cg.shape[0]):
-        acc += xg[j] * np.float32(cg[j])
-    return acc
-
-
-@njit(fastmath=FASTMATH, cache=True, inline="always")
-def _group_dot_nibbles(xg, cg, zero):
-    """cg: 16 bytes, byte j = codes of weights j (low nibble) and j + 16 (high) of the group's 32."""
-    half = cg.shape[0]
-    lo, hi = xg[:half], xg[half:]
-    acc = zero
-    for j in range(half):
-        byte = np.int32(cg[j])
-        acc += lo[j] * np.float32(byte & 15) + hi[j] * np.float32(byte >> 4)
-    return acc
-
-
-def _column(x, xsum, codes, scales, offsets, group, out, zero, n, nibbles):
+@njit(cache=True, inline="always")
+def product_tile(x, xsum, codes, scales, offsets, group, out, t):
+    """out[:, 8t:8t+8] = x @ (tile t's eight rows).T for every row of x."""
     rows = x.shape[0]
-    groups = scales.shape[1]
-    code_width = group // 2 if nibbles else group
-    cn, sn = codes[n], scales[n]
+    m = 0
+    while m + 4 <= rows:
+        tile_product_4(x, m, xsum, codes, scales, offsets, group, t, out)
+        m += 4
+    left = rows - m
+    if left == 1:
+        tile_product_1(x, m, xsum, codes, scales, offsets, group, t, out)
+    elif left == 2:
+        tile_product_2(x, m, xsum, codes, scales, offsets, group, t, out)
+    elif left == 3:
+        tile_product_3(x, m, xsum, codes, scales, offsets, group, t, out)
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def _code(codes, n, k, group, nibbles):
+    """Code of weight k in row n of row-ordered codes (int8, or nibbles: byte j of a group of 32 holds
+    weights j (low) and j + 16 (high))."""
+    if nibbles:
+        half = group // 2
+        g, j = k // group, k % group
+        byte = np.int32(codes[n, g * half + j % half])
+        return np.float32(byte & 15) if j < half else np.float32(byte >> 4)
+    return np.float32(codes[n, k])
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def tail_rows(x, xsum, codes, scales, offsets, group, out, n0):
+    """out[:, n0 + i] for the row-ordered tail rows i (fewer than eight): a plain loop, it is small."""
     has_offsets = offsets.shape[0] > 0
-    for b in range(0, rows - rows % 4, 4):
-        x0, x1, x2, x3 = x[b], x[b + 1], x[b + 2], x[b + 3]
-        a0, a1, a2, a3 = zero, zero, zero, zero
-        for g in range(groups):
-            lo = g * group
-            cg = cn[g * code_width:(g + 1) * code_width]
-            if nibbles:
-                d0 = _group_dot_nibbles(x0[lo:lo + group], cg, zero)
-                d1 = _group_dot_nibbles(x1[lo:lo + group], cg, zero)
-                d2 = _group_dot_nibbles(x2[lo:lo + group], cg, zero)
-                d3 = _group_dot_nibbles(x3[lo:lo + group], cg, zero)
-            else:
-                d0 = _group_dot_int8(x0[lo:lo + group], cg, zero)
-                d1 = _group_dot_int8(x1[lo:lo + group], cg, zero)
-                d2 = _group_dot_int8(x2[lo:lo + group], cg, zero)
-                d3 = _group_dot_int8(x3[lo:lo + group], cg, zero)
-            s = widen(sn[g])
-            a0 += s * d0
-            a1 += s * d1
-            a2 += s * d2
-            a3 += s * d3
-            if has_offsets:
-                o = widen(offsets[n, g])
-                a0 += o * xsum[b, g]
-                a1 += o * xsum[b + 1, g]
-                a2 += o * xsum[b + 2, g]
-                a3 += o * xsum[b + 3, g]
-        out[b, n], out[b + 1, n], out[b + 2, n], out[b + 3, n] = a0, a1, a2, a3
-    for m in range(rows - rows % 4, rows):
-        xm = x[m]
-        acc = zero
-        for g in range(groups):
-            lo = g * group
-            cg = cn[g * code_width:(g + 1) * code_width]
-            if nibbles:
-                d = _group_dot_nibbles(xm[lo:lo + group], cg, zero)
-            else:
-                d = _group_dot_int8(xm[lo:lo + group], cg, zero)
-            acc += widen(sn[g]) * d
-            if has_offsets:
-                acc += widen(offsets[n, g]) * xsum[m, g]
-        out[m, n] = acc
+    nibbles = 2 * codes.shape[1] == scales.shape[1] * group  # two codes a byte (numba cannot compare dtypes)
+    for i in range(scales.shape[0]):
+        for m in range(x.shape[0]):
+            total = np.float32(0)
+            for g in range(scales.shape[1]):
+                dot = np.float32(0)
+                for j in range(group):
+                    dot += x[m, g * group + j] * _code(codes, i, g * group + j, group, nibbles)
+                total += scales[i, g] * dot
+                if has_offsets:
+                    total += offsets[i, g] * xsum[m, g]
+            out[m, n0 + i] = total
 
 
-qmatvec_column = njit(fastmath=FASTMATH, cache=True, inline="always")(_column)
+@njit(cache=True, inline="always")
+def group_sums_into(x, group, xsum):
+    """xsum[m, g] = sum of x[m, g*group:(g+1)*group] (what an offset multiplies)."""
+    for m in range(x.shape[0]):
+        for g in range(xsum.shape[1]):
+            total = np.float32(0)
+            for j in range(group):
+                total += x[m, g * group + j]
+            xsum[m, g] = total
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
-def _qmatvec(x, xsum, codes, scales, offsets, group, out, zero, nibbles):
-    """out[m, n] = sum_k x[m, k] * W[n, k] for W given as codes/scales/offsets: output rows over threads."""
-    for n in prange(codes.shape[0]):
-        qmatvec_column(x, xsum, codes, scales, offsets, group, out, zero, n, nibbles)
+@njit(parallel=True, cache=True)
+def _qmatmul(x, xsum, codes, scales, offsets, t_codes, t_scales, t_offsets, group, out):
+    """out [M, N] = x @ W.T for W as (tiles, tail); tiles over the threads, the tail on the last index."""
+    tiles = codes.shape[0]
+    for t in prange(tiles + 1):
+        if t < tiles:
+            product_tile(x, xsum, codes, scales, offsets, group, out, t)
+        else:
+            tail_rows(x, xsum, t_codes, t_scales, t_offsets, group, out, tiles * 8)
 
 
 def group_sums(x: np.ndarray, group: int) -> np.ndarray:
-    """[M, K] -> [M, K / group]: the sums of x an offset multiplies (float32, in x's summation)."""
+    """[M, K] -> [M, K / group]: the sums of x an offset multiplies (float32)."""
     return np.ascontiguousarray(x.reshape(x.shape[0], -1, group).sum(axis=-1, dtype=x.dtype))
 
 
-def qmatvec(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None,
-            group: int) -> np.ndarray:
-    """x [M, K] (float32, C-contiguous) @ W.T for W [N, K] as codes/scales/offsets; [M, N] float32.
+def kernel_args(tiles, tail) -> tuple:
+    """(codes, scales, offsets, tail codes, tail scales, tail offsets, group) as the kernels take them:
+    absent offsets as an empty array."""
+    return (tiles.codes, tiles.scales, NO_OFFSETS if tiles.offsets is None else tiles.offsets,
+            tail.codes, tail.scales, NO_OFFSETS if tail.offsets is None else tail.offsets, tiles.group)
 
-    scales/offsets float32 (float16 as int16 bits works too, slower: see model/ggml_quants.py)."""
-    out = np.empty((x.shape[0], codes.shape[0]), dtype=x.dtype)
-    nibbles = codes.dtype == np.uint8
-    if offsets is None:
-        xsum = np.zeros((x.shape[0], 0), dtype=x.dtype)
-        offsets = np.zeros((0, 0), dtype=scales.dtype)
-    else:
-        xsum = group_sums(x, group)
-    _qmatvec(x, xsum, codes, scales, offsets, group, out, x.dtype.type(0), nibbles)
+
+def qmatmul(x: np.ndarray, tiles, tail) -> np.ndarray:
+    """x [M, K] (float32, C-contiguous) @ W.T for W as tiles + tail (model/qtiles.py); [M, N] float32."""
+    args = kernel_args(tiles, tail)
+    rows = tiles.scales.shape[0] * 8 + tail.scales.shape[0]
+    out = np.empty((x.shape[0], rows), dtype=np.float32)
+    xsum = group_sums(x, tiles.group) if tiles.offsets is not None else NO_OFFSETS
+    _qmatmul(x, xsum, *args, out)
     return out
+
+
+@njit(parallel=True, cache=True)
+def _dequantize_tiles(codes, scales, offsets, group, t0, t1, out):
+    """out[8(t - t0) + r, k] = scale * code + offset for tiles t0..t1-1, in IEEE float32 as
+    ggml_quants.dequantize computes it (no contraction: the same bits)."""
+    groups = scales.shape[1] // 8
+    nibbles = 2 * codes.shape[1] == groups * group * 8
+    per = group // 2 if nibbles else group
+    has_offsets = offsets.shape[0] > 0
+    for t in prange(t0, t1):
+        for g in range(groups):
+            for r in range(8):
+                row, s = (t - t0) * 8 + r, scales[t, g * 8 + r]
+                o = offsets[t, g * 8 + r] if has_offsets else np.float32(0)
+                for j in range(per):
+                    c = codes[t, (g * per + j) * 8 + r]
+                    if nibbles:
+                        byte = np.int32(c)
+                        low = np.float32(byte & 15) * s
+                        high = np.float32(byte >> 4) * s
+                        out[row, g * group + j] = low + o if has_offsets else low
+                        out[row, g * group + j + per] = high + o if has_offsets else high
+                    else:
+                        value = np.float32(c) * s
+                        out[row, g * group + j] = value + o if has_offsets else value
+
+
+def dequantize_tiles(tiles, t0: int, t1: int, out: np.ndarray) -> None:
+    """Tiles t0..t1-1 of a tiled matrix (model/qtiles.py) as float32 rows into out [8 (t1 - t0), K]: a
+    prefill's band of weights, dequantized where BLAS will read it."""
+    offsets = NO_OFFSETS if tiles.offsets is None else tiles.offsets
+    _dequantize_tiles(tiles.codes, tiles.scales, offsets, tiles.group, t0, t1, out)

@@ -38,6 +38,21 @@ BLOCK_SIZES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32
                "Q6_K": (256, 210)}
 
 
+# weights per scale (and offset), and the types that keep an offset (Q4_0's zero point -8 d becomes one)
+GROUPS = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q2_K": 16, "Q3_K": 16, "Q4_K": 32,
+          "Q5_K": 32, "Q6_K": 16}
+OFFSET_TYPES = ("Q4_0", "Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K")
+
+
+def resident_bytes(type_name: str, shape: tuple[int, int]) -> int:
+    """Bytes a [N, K] matrix of `type_name` takes unpacked (codes + float32 scales and offsets), without
+    reading it: what `kvlab memory --model` reports for weights kept as stored."""
+    rows, cols = shape
+    code_bytes = cols // 2 if type_name in NIBBLE_TYPES else cols
+    per_group = 4 * (2 if type_name in OFFSET_TYPES else 1)
+    return rows * (code_bytes + cols // GROUPS[type_name] * per_group)
+
+
 @dataclass(frozen=True)
 class Unpacked:
     """codes [N, K] int8 or [N, K/2] uint8 nibbles; scales/offsets [N, K/group]; offsets None if zero."""

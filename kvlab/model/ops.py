@@ -160,15 +160,49 @@ class CompiledOps(_Shapes):
         x += self._gemv.swiglu_linear(gate_up, weights.w_down)
 
 
-class QuantizedOps(CompiledOps):
-    """Compiled products over quantized weights (GGUF blocks as codes, scales and offsets, model/quantized.py).
+class QuantizedLayer(NamedTuple):
+    """A layer whose four matrices are QuantizedMatrix, as the fused kernels read them (kernels/qgemv.py's
+    `kernel_args` tuples); an absent bias as an empty array."""
 
-    The products read the codes (kernels/qgemv.py; more than MAX_KERNEL_ROWS rows: dequantized tiles and
-    BLAS); RMSNorm is the compiled one, RoPE and SwiGLU are NumPy's, between the products. The fused
-    block kernels of CompiledOps take float matrices only, so a quantized layer is not fused (yet)."""
+    layer: Any
+    qkv: tuple
+    b_qkv: np.ndarray
+    o: tuple
+    b_o: np.ndarray
+    gate_up: tuple
+    down: tuple
+
+
+class QuantizedOps(CompiledOps):
+    """Compiled products over quantized weights (GGUF blocks in the kernels' tiled layout, model/quantized.py).
+
+    A few rows (decode) of a layer whose four matrices are all quantized take the fused block kernels of
+    kernels/qdecode_layer.py, two calls per layer like CompiledOps; a layer that mixes in half-precision
+    matrices (an F16 tensor beside Q8_0 ones) or matrices of different types stacked by rows (RowStack)
+    takes the products one by one (kernels/qgemv.py), with RMSNorm compiled and RoPE, SwiGLU in NumPy
+    between them. More rows (prefill): bands of dequantized rows and BLAS (QuantizedMatrix.matmul_t)."""
+
+    def __init__(self, config: ModelConfig, dtype: np.dtype) -> None:
+        super().__init__(config, dtype)
+        from kvlab.kernels import qdecode_layer, qgemv  # numba loads only for this backend
+
+        self._qfused, self._kernel_args = qdecode_layer, qgemv.kernel_args
 
     def bind(self, layers: Sequence[Any]) -> list[Any]:
-        return list(layers)
+        from kvlab.model.quantized import QuantizedMatrix
+
+        def fusable(layer: Any) -> bool:
+            return all(isinstance(w, QuantizedMatrix) for w in (layer.w_qkv, layer.w_o, layer.w_gate_up,
+                                                                 layer.w_down))
+
+        def args(w: Any) -> tuple:
+            return self._kernel_args(w.tiles, w.tail)
+
+        empty = self._empty
+        return [QuantizedLayer(layer, args(layer.w_qkv), empty if layer.b_qkv is None else layer.b_qkv,
+                               args(layer.w_o), empty if layer.b_o is None else layer.b_o,
+                               args(layer.w_gate_up), args(layer.w_down)) if fusable(layer) else layer
+                for layer in layers]
 
     def _linear(self, x: np.ndarray, w: Any, bias: np.ndarray | None = None) -> np.ndarray:
         out = w.matmul_t(x) if isinstance(w, QuantizedLinear) else self._gemv.linear(x, w)
@@ -181,16 +215,28 @@ class QuantizedOps(CompiledOps):
         return self._linear(self._gemv.rms_norm(x, norm, self.eps), w, bias)
 
     def qkv_rope(self, x: np.ndarray, layer: Any, rope: Rope) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        qkv = self.norm_linear(x, layer.input_norm, layer.w_qkv, layer.b_qkv)
-        qkv = qkv.reshape(x.shape[0], self.all_heads, self.head_dim)
-        cos, sin = rope
+        rows, cos, sin = x.shape[0], *rope
+        if isinstance(layer, QuantizedLayer) and rows <= self.max_fused_rows:
+            qkv = np.empty((rows, self.all_heads, self.head_dim), dtype=x.dtype)
+            self._qfused.qkv_rope(x, layer.layer.input_norm, self._eps, layer.qkv, layer.b_qkv,
+                                  cos.reshape(rows, 2, self._half), sin.reshape(rows, 2, self._half),
+                                  self.qk_heads, qkv.reshape(rows, -1), self._zero)
+            return qkv[:, :self.heads], qkv[:, self.heads:self.qk_heads], qkv[:, self.qk_heads:]
+        weights = getattr(layer, "layer", layer)
+        qkv = self.norm_linear(x, weights.input_norm, weights.w_qkv, weights.b_qkv)
+        qkv = qkv.reshape(rows, self.all_heads, self.head_dim)
         return self.split(qkv, rotate_halves(qkv[:, :self.qk_heads], cos[:, None], sin[:, None]))
 
     def output_mlp(self, x: np.ndarray, o: np.ndarray, layer: Any) -> None:
-        x += self._linear(o, layer.w_o, layer.b_o)
-        gate_up = self.norm_linear(x, layer.post_norm, layer.w_gate_up)
+        if isinstance(layer, QuantizedLayer) and x.shape[0] <= self.max_fused_rows:
+            self._qfused.output_mlp(x, np.ascontiguousarray(o), layer.o, layer.b_o, layer.layer.post_norm,
+                                    self._eps, layer.gate_up, layer.down, self._zero)
+            return
+        weights = getattr(layer, "layer", layer)
+        x += self._linear(o, weights.w_o, weights.b_o)
+        gate_up = self.norm_linear(x, weights.post_norm, weights.w_gate_up)
         inter = gate_up.shape[-1] // 2
-        x += self._linear(swiglu(gate_up[..., :inter], gate_up[..., inter:]), layer.w_down)
+        x += self._linear(swiglu(gate_up[..., :inter], gate_up[..., inter:]), weights.w_down)
 
 
 def make_ops(backend: str, config: ModelConfig, dtype: np.dtype, quantized: bool = False) -> NumpyOps | CompiledOps:

@@ -20,6 +20,7 @@ import numpy as np
 
 from kvlab.errors import InputError
 from kvlab.model.ggml_quants import BLOCK_SIZES, Unpacked, dequantize, unpack
+from kvlab.model.qtiles import LANES, from_tiles, gather_rows, row_ordered, to_tiles
 
 MAX_KERNEL_ROWS = 16
 # Types kvlab can encode (llama.cpp's reference encoders in the gguf package); every ggml_quants type reads.
@@ -29,19 +30,22 @@ TILE_VALUES = 1 << 18  # float32 values of one dequantized tile in a prefill pro
 
 @dataclass(frozen=True, eq=False)
 class QuantizedMatrix:
-    """[N, K] weights as `codes` (int8 [N, K] or nibbles [N, K/2]), `scales`/`offsets` [N, K/group]."""
+    """[N, K] weights as the kernels read them: `tiles` (whole tiles of 8 rows interleaved) and `tail` (the
+    N % 8 rows after them, row-ordered), both codes/scales/offsets (model/qtiles.py, model/ggml_quants.py)."""
 
     type_name: str
-    codes: np.ndarray
-    scales: np.ndarray
-    offsets: np.ndarray | None
-    group: int
+    tiles: Unpacked
+    tail: Unpacked
+
+    @classmethod
+    def from_unpacked(cls, type_name: str, unpacked: Unpacked) -> "QuantizedMatrix":
+        """The matrix of row-ordered codes/scales/offsets, tiled for the kernels (a transpose, once)."""
+        return cls(type_name, *to_tiles(unpacked))
 
     @classmethod
     def from_blocks(cls, type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> "QuantizedMatrix":
         """The matrix stored as ggml blocks of `type_name` (the tensor's bytes, e.g. a memory map)."""
-        u = unpack(type_name, raw, shape)
-        return cls(type_name, u.codes, u.scales, u.offsets, u.group)
+        return cls.from_unpacked(type_name, unpack(type_name, raw, shape))
 
     @classmethod
     def quantize(cls, weight: np.ndarray, type_name: str) -> "QuantizedMatrix":
@@ -54,20 +58,35 @@ class QuantizedMatrix:
 
     # --- array-like -------------------------------------------------------------------------------------
     @property
+    def group(self) -> int:
+        return self.tiles.group
+
+    @property
     def unpacked(self) -> Unpacked:
-        return Unpacked(self.codes, self.scales, self.offsets, self.group)
+        """Row-ordered codes, scales, offsets (a transpose of the tiles: for load-time work, not per step)."""
+        return from_tiles(self.tiles, self.tail)
+
+    @property
+    def scales(self) -> np.ndarray:
+        """[N, K / group] float32, row order."""
+        return row_ordered(self.tiles.scales, self.tail.scales, self.tail.scales.shape[1])
+
+    @property
+    def offsets(self) -> np.ndarray | None:
+        return row_ordered(self.tiles.offsets, self.tail.offsets, self.tail.scales.shape[1])
 
     @property
     def shape(self) -> tuple[int, int]:
-        width = self.codes.shape[1] * (2 if self.codes.dtype == np.uint8 else 1)
-        return (self.codes.shape[0], width)
+        return (self.tiles.scales.shape[0] * LANES + self.tail.scales.shape[0],
+                self.tail.scales.shape[1] * self.group)
 
     ndim = 2
 
     @property
     def nbytes(self) -> int:
-        """Resident bytes (codes + scales + offsets)."""
-        return self.codes.nbytes + self.scales.nbytes + (0 if self.offsets is None else self.offsets.nbytes)
+        """Resident bytes (codes + scales + offsets; no row is padded)."""
+        return sum(a.nbytes for part in (self.tiles, self.tail)
+                   for a in (part.codes, part.scales, part.offsets) if a is not None)
 
     @property
     def file_bytes(self) -> int:
@@ -81,65 +100,80 @@ class QuantizedMatrix:
     def __repr__(self) -> str:
         return f"QuantizedMatrix({self.type_name}, shape={self.shape}, nbytes={self.nbytes})"
 
+    def rows(self, index: np.ndarray | slice) -> Unpacked:
+        """Rows `index` (a permutation, a gather or a slice) row-ordered, read from the tiles directly."""
+        if isinstance(index, slice):
+            index = np.arange(self.shape[0])[index]
+        return gather_rows(self.tiles, self.tail, index)
+
     def take_rows(self, index: np.ndarray | slice) -> "QuantizedMatrix":
         """The matrix of rows `index` (a permutation, a gather or a slice)."""
-        offsets = None if self.offsets is None else np.ascontiguousarray(self.offsets[index])
-        return QuantizedMatrix(self.type_name, np.ascontiguousarray(self.codes[index]),
-                               np.ascontiguousarray(self.scales[index]), offsets, self.group)
+        return QuantizedMatrix.from_unpacked(self.type_name, self.rows(index))
 
     @staticmethod
     def can_concat(parts: Sequence[object]) -> bool:
-        """Whether `parts` stack into one matrix: all quantized alike (type, group, scale dtypes, widths)."""
+        """Whether `parts` stack into one matrix: all quantized alike (type, group, widths)."""
         first = parts[0]
         if not all(isinstance(p, QuantizedMatrix) for p in parts):
             return False
         return all(p.type_name == first.type_name and p.group == first.group and p.shape[1] == first.shape[1]
-                   and p.scales.dtype == first.scales.dtype and (p.offsets is None) == (first.offsets is None)
-                   and (p.offsets is None or p.offsets.dtype == first.offsets.dtype) for p in parts)
+                   for p in parts)
 
     @staticmethod
     def concat(parts: Sequence["QuantizedMatrix"]) -> "QuantizedMatrix":
         """Rows of `parts` one after another (q, k, v -> qkv); they must satisfy `can_concat`."""
         if not QuantizedMatrix.can_concat(parts):
             raise ValueError("only matrices of one quantization type, group and width stack")
-        first = parts[0]
-        offsets = None if first.offsets is None else np.concatenate([p.offsets for p in parts])
-        return QuantizedMatrix(first.type_name, np.concatenate([p.codes for p in parts]),
-                               np.concatenate([p.scales for p in parts]), offsets, first.group)
+        rows = [p.unpacked for p in parts]
+        offsets = None if rows[0].offsets is None else np.concatenate([u.offsets for u in rows])
+        joined = Unpacked(np.concatenate([u.codes for u in rows]), np.concatenate([u.scales for u in rows]),
+                          offsets, parts[0].group)
+        return QuantizedMatrix.from_unpacked(parts[0].type_name, joined)
 
     def fingerprint_bytes(self) -> bytes:
-        """Canonical bytes of the weights (type, group, codes, scales, offsets) for the model fingerprint."""
-        parts = [self.type_name.encode(), str(self.group).encode(), self.codes.tobytes(), self.scales.tobytes()]
-        if self.offsets is not None:
-            parts.append(self.offsets.tobytes())
+        """Canonical bytes of the weights (type, group, codes, scales, offsets, row-ordered: the layout the
+        kernels read does not change a model's fingerprint) for the model fingerprint."""
+        u = self.unpacked
+        parts = [self.type_name.encode(), str(self.group).encode(), u.codes.tobytes(), u.scales.tobytes()]
+        if u.offsets is not None:
+            parts.append(u.offsets.tobytes())
         return b"\0".join(parts)
 
     # --- products ---------------------------------------------------------------------------------------
     def dequantize(self, dtype: np.dtype = np.float32, rows: slice = slice(None)) -> np.ndarray:
         """Rows `rows` as floats, exactly the file's dequantized values (the reference)."""
-        part = self.unpacked if rows == slice(None) else self.take_rows(rows).unpacked
+        part = self.unpacked if rows == slice(None) else self.rows(rows)
         return dequantize(part, np.dtype(dtype))
 
     def matmul_t(self, x: np.ndarray, compiled: bool = True) -> np.ndarray:
         """x [..., K] @ W.T -> [..., N] in x's dtype: the compiled kernel for a few rows, else tiles + BLAS."""
         flat = np.ascontiguousarray(x.reshape(-1, x.shape[-1]))
         if compiled and flat.shape[0] <= MAX_KERNEL_ROWS and flat.dtype == np.float32:
-            from kvlab.kernels.bits import as_kernel_array
-            from kvlab.kernels.qgemv import qmatvec
+            from kvlab.kernels.qgemv import qmatmul
 
-            offsets = None if self.offsets is None else as_kernel_array(self.offsets)
-            out = qmatvec(flat, self.codes, as_kernel_array(self.scales), offsets, self.group)
+            out = qmatmul(flat, self.tiles, self.tail)
         else:
-            out = self._tiled(flat)
+            out = self._tiled(flat, compiled)
         return out.reshape(*x.shape[:-1], self.shape[0])
 
-    def _tiled(self, x: np.ndarray) -> np.ndarray:
-        rows = self.shape[0]
+    def _tiled(self, x: np.ndarray, compiled: bool) -> np.ndarray:
+        """x @ W.T a band of rows at a time: each band dequantized into a cache-sized float32 buffer (the
+        compiled kernel straight from the tiles, else NumPy) and multiplied by BLAS there."""
+        rows, width = self.shape
         out = np.empty((x.shape[0], rows), dtype=x.dtype)
-        step = max(16, TILE_VALUES // self.shape[1])
+        step = max(LANES, TILE_VALUES // width // LANES * LANES)
+        buffer = np.empty((min(step, rows), width), dtype=np.float32)
+        whole = self.tiles.scales.shape[0] * LANES
         for start in range(0, rows, step):
-            tile = self.dequantize(x.dtype, slice(start, start + step))
-            np.matmul(x, tile.T, out=out[:, start:start + tile.shape[0]])
+            stop = min(start + step, rows)
+            band = buffer[:stop - start]
+            if compiled and stop <= whole:
+                from kvlab.kernels.qgemv import dequantize_tiles
+
+                dequantize_tiles(self.tiles, start // LANES, stop // LANES, band)
+            else:
+                band[...] = dequantize(self.rows(slice(start, stop)))
+            np.matmul(x, band.T.astype(x.dtype, copy=False), out=out[:, start:stop])
         return out
 
 

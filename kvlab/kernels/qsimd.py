@@ -1,0 +1,162 @@
+"""The inner loop of the quantized products, written as LLVM vector code: eight output rows in one register.
+
+The kernels' layout (kvlab/model/qtiles.py) interleaves a tile of LANES = 8 output rows, so that per
+weight column k the eight rows' codes are eight consecutive bytes. One step of the inner loop is then
+one 8-byte load, widened to eight int32 (vpmovsxbd for int8 codes; vpmovzxbd + and/shift for nibbles,
+two columns per byte), converted to float32 (vcvtdq2ps) and multiplied into eight accumulators by the
+broadcast x[k] (vfmadd231ps): no horizontal sum per group, one per-group `acc * scale (+ offset * sum_g x)`
+on the eight lanes at once. That is the dequantized product up to summation order (codes are exact small
+integers, scales and offsets the file's, every product rounded once in an FMA).
+
+Why LLVM IR and not numba source: written as eight scalar accumulators in numba, LLVM vectorises the
+loop over k instead (a horizontal sum per group and per row, as before) or not at all; only explicit
+vectors give the lanes-are-rows loop (`tile_product`'s assembly holds vpmovsxbd/vcvtdq2ps/vfmadd231ps on
+ymm registers, tests/test_quantized_kernels.py checks it).
+
+`tile_product_R(x, m0, xsum, codes, scales, offsets, group, t, out)` (R = 1..4 rows of x, each a
+compile-time constant so the R accumulators stay in registers) writes out[m0:m0+R, 8t:8t+8] = the R rows
+x[m0:m0+R] times tile t's eight weight rows. Codes int8 [T, G*group*8] or nibbles uint8 [T, G*group*4]
+(byte (g, j, r): row r's weight j of group g in its low nibble, weight j + 16 in its high); scales and
+offsets float32 [T, G*8]; an offsets array with no rows means none (then xsum is not read); xsum [M, G]
+float32 the group sums of x.
+x, xsum and out C-contiguous float32.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+LANES = 8
+UNROLL = {1: 4, 2: 2, 3: 2, 4: 2}
+_F32 = ir.FloatType()
+_I32 = ir.IntType(32)
+_V8F = ir.VectorType(_F32, LANES)
+_V8I8 = ir.VectorType(ir.IntType(8), LANES)
+_V8I32 = ir.VectorType(_I32, LANES)
+
+
+def _fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
+    """a * b + c on eight float32 lanes, rounded once (llvm.fma.v8f32 -> vfmadd on AVX2)."""
+    module = builder.module
+    fn = module.globals.get("llvm.fma.v8f32")
+    if fn is None:
+        fn = ir.Function(module, ir.FunctionType(_V8F, [_V8F, _V8F, _V8F]), name="llvm.fma.v8f32")
+    return builder.call(fn, [a, b, c])
+
+
+def _broadcast(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
+    one = builder.insert_element(ir.Constant(_V8F, ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, ir.Constant(_V8F, ir.Undefined), ir.Constant(_V8I32, [0] * LANES))
+
+
+def _load(builder: ir.IRBuilder, base: ir.Value, index: ir.Value, vector: ir.Type) -> ir.Value:
+    """The vector at element `index` of `base` (unaligned)."""
+    ptr = builder.bitcast(builder.gep(base, [index]), vector.as_pointer())
+    return builder.load(ptr, align=1)
+
+
+def _make_tile_product(rows: int):
+    # independent accumulators per row of x, so that an FMA's latency (4 cycles) does not serialise the
+    # loop: unroll * rows chains in flight; codes per group (16 or 32 or, for nibbles, 8 or 16) divide by it
+    unroll = UNROLL[rows]
+
+    @intrinsic
+    def tile_product(typingctx, x, m0, xsum, codes, scales, offsets, group, t, out):
+        signed = codes.dtype == types.int8
+        if not signed and codes.dtype != types.uint8:
+            return None
+        sig = types.void(x, m0, xsum, codes, scales, offsets, group, t, out)
+
+        def codegen(context, builder, signature, args):
+            xa, m0v, xsa, ca, sa, oa, groupv, tv, outa = args
+            arrays = [cgutils.create_struct_proxy(ty)(context, builder, value=v)
+                      for ty, v in zip((signature.args[0], signature.args[2], signature.args[3],
+                                        signature.args[4], signature.args[5], signature.args[8]),
+                                       (xa, xsa, ca, sa, oa, outa))]
+            xs, sums, cs, ss, os_, outs = arrays
+            intp = context.get_value_type(types.intp)
+            width = cgutils.unpack_tuple(builder, xs.shape)[1]
+            code_row = cgutils.unpack_tuple(builder, cs.shape)[1]
+            scale_row = cgutils.unpack_tuple(builder, ss.shape)[1]
+            n_groups = builder.udiv(scale_row, ir.Constant(intp, LANES))
+            sum_row = cgutils.unpack_tuple(builder, sums.shape)[1]
+            has_offsets = builder.icmp_signed(">", cgutils.unpack_tuple(builder, os_.shape)[0],
+                                              ir.Constant(intp, 0))
+            n_out = cgutils.unpack_tuple(builder, outs.shape)[1]
+            group_v = builder.sext(groupv, intp) if groupv.type != intp else groupv
+            m0_v = builder.sext(m0v, intp) if m0v.type != intp else m0v
+            t_v = builder.sext(tv, intp) if tv.type != intp else tv
+            per_group = group_v if signed else builder.lshr(group_v, ir.Constant(intp, 1))
+            code_base = builder.gep(cs.data, [builder.mul(t_v, code_row)])
+            scale_base = builder.gep(ss.data, [builder.mul(t_v, scale_row)])
+            offset_base = builder.gep(os_.data, [builder.mul(t_v, scale_row)])
+            x_rows = [builder.gep(xs.data, [builder.mul(builder.add(m0_v, ir.Constant(intp, i)), width)])
+                      for i in range(rows)]
+            sum_rows = [builder.gep(sums.data, [builder.mul(builder.add(m0_v, ir.Constant(intp, i)), sum_row)])
+                        for i in range(rows)]
+            zero = ir.Constant(_V8F, [0.0] * LANES)
+            total = [cgutils.alloca_once_value(builder, zero) for _ in range(rows)]
+            acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(unroll)] for _ in range(rows)]
+            half = builder.lshr(group_v, ir.Constant(intp, 1))
+            with cgutils.for_range(builder, n_groups) as g_loop:
+                g = g_loop.index
+                for row_acc in acc:
+                    for a in row_acc:
+                        builder.store(zero, a)
+                k0 = builder.mul(g, group_v)
+                codes_g = builder.gep(code_base, [builder.mul(builder.mul(g, per_group),
+                                                              ir.Constant(intp, LANES))])
+                steps = builder.udiv(per_group, ir.Constant(intp, unroll))
+                with cgutils.for_range(builder, steps) as j_loop:
+                    for u in range(unroll):
+                        j = builder.add(builder.mul(j_loop.index, ir.Constant(intp, unroll)), ir.Constant(intp, u))
+                        raw = _load(builder, codes_g, builder.mul(j, ir.Constant(intp, LANES)), _V8I8)
+                        k = builder.add(k0, j)
+                        if signed:
+                            w = builder.sitofp(builder.sext(raw, _V8I32), _V8F)
+                            for i in range(rows):
+                                xk = _broadcast(builder, builder.load(builder.gep(x_rows[i], [k])))
+                                a = acc[i][u]
+                                builder.store(_fma(builder, xk, w, builder.load(a)), a)
+                        else:
+                            wide = builder.zext(raw, _V8I32)
+                            low = builder.uitofp(builder.and_(wide, ir.Constant(_V8I32, [15] * LANES)), _V8F)
+                            high = builder.uitofp(builder.lshr(wide, ir.Constant(_V8I32, [4] * LANES)), _V8F)
+                            k_high = builder.add(k, half)
+                            for i in range(rows):
+                                x_low = _broadcast(builder, builder.load(builder.gep(x_rows[i], [k])))
+                                x_high = _broadcast(builder, builder.load(builder.gep(x_rows[i], [k_high])))
+                                a = acc[i][u]
+                                builder.store(_fma(builder, x_high, high,
+                                                   _fma(builder, x_low, low, builder.load(a))), a)
+                lane0 = builder.mul(g, ir.Constant(intp, LANES))
+                scale = _load(builder, scale_base, lane0, _V8F)
+                for i in range(rows):
+                    dot = builder.load(acc[i][0])
+                    for a in acc[i][1:]:
+                        dot = builder.fadd(dot, builder.load(a))
+                    builder.store(_fma(builder, scale, dot, builder.load(total[i])), total[i])
+                with builder.if_then(has_offsets, likely=True):
+                    offset = _load(builder, offset_base, lane0, _V8F)
+                    for i in range(rows):
+                        xsum_g = _broadcast(builder, builder.load(builder.gep(sum_rows[i], [g])))
+                        builder.store(_fma(builder, offset, xsum_g, builder.load(total[i])), total[i])
+            n0 = builder.mul(t_v, ir.Constant(intp, LANES))
+            for i in range(rows):
+                row = builder.gep(outs.data, [builder.add(builder.mul(builder.add(m0_v, ir.Constant(intp, i)),
+                                                                      n_out), n0)])
+                builder.store(builder.load(total[i]), builder.bitcast(row, _V8F.as_pointer()), align=1)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile_product
+
+
+tile_product_1 = _make_tile_product(1)
+tile_product_2 = _make_tile_product(2)
+tile_product_3 = _make_tile_product(3)
+tile_product_4 = _make_tile_product(4)

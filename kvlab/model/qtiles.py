@@ -1,0 +1,89 @@
+"""The layout the quantized kernels read: tiles of eight output rows interleaved, so SIMD lanes are rows.
+
+`ggml_quants.unpack` gives each row's codes in order ([N, K] int8 or [N, K/2] nibbles) and one scale (and
+offset) per group. A product kernel that walks one row at a time must sum each group's products across
+the lanes of a register (a horizontal sum per group and row), which made the first kernels compute-bound
+at 5-10x their roofline. Here rows 8t..8t+7 form tile t, stored group by group with the eight rows' codes
+for one column side by side ([T, G, codes per group, 8], as llama.cpp's repacked "x8" layouts do): per
+column the kernel widens 8 consecutive bytes and multiplies them by one broadcast x[k] (kernels/qsimd.py).
+Scales and offsets go alike, [T, G, 8] float32, so a group ends with one 8-lane multiply-add.
+
+The N % 8 rows after the last whole tile stay in row order (`tail`), read by a plain per-row kernel; no
+row is padded, so resident bytes are exactly those of the unpacked layout (ggml_quants's table). Tiling
+is a transpose at load: 0.38 s CPU for SmolLM2-135M's Q8_0 matrices, 0.14 s for Q4_1 (one measurement
+under load), and no extra bytes kept. Arrays are 2-D ([T, ...] flat per tile) so kernels index one tile with one row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvlab.model.ggml_quants import Unpacked
+
+LANES = 8
+
+
+def _interleave(values: np.ndarray, tiles: int, groups: int) -> np.ndarray:
+    """[8T, G * w] row-ordered -> [T, G * w * 8]: per tile, group, and column, the 8 rows side by side."""
+    width = values.shape[1] // groups
+    shaped = values[:tiles * LANES].reshape(tiles, LANES, groups, width)
+    return np.ascontiguousarray(shaped.transpose(0, 2, 3, 1)).reshape(tiles, groups * width * LANES)
+
+
+def _deinterleave(tiled: np.ndarray, groups: int) -> np.ndarray:
+    """The inverse of `_interleave`: [T, G * w * 8] -> [8T, G * w]."""
+    tiles = tiled.shape[0]
+    shaped = tiled.reshape(tiles, groups, tiled.shape[1] // (groups * LANES), LANES)
+    return np.ascontiguousarray(shaped.transpose(0, 3, 1, 2)).reshape(tiles * LANES, shaped.shape[1] * shaped.shape[2])
+
+
+def to_tiles(u: Unpacked) -> tuple[Unpacked, Unpacked]:
+    """(tiles, tail) of a row-ordered matrix: whole tiles of 8 rows interleaved, the rest row-ordered."""
+    rows, groups = u.scales.shape
+    tiles = rows // LANES
+    whole = tiles * LANES
+
+    def split(a: np.ndarray | None) -> tuple[np.ndarray | None, np.ndarray | None]:
+        if a is None:
+            return None, None
+        return _interleave(a, tiles, groups), np.ascontiguousarray(a[whole:])
+
+    codes, tail_codes = split(u.codes)
+    scales, tail_scales = split(u.scales)
+    offsets, tail_offsets = split(u.offsets)
+    return Unpacked(codes, scales, offsets, u.group), Unpacked(tail_codes, tail_scales, tail_offsets, u.group)
+
+
+def row_ordered(tiled: np.ndarray | None, tail: np.ndarray | None, groups: int) -> np.ndarray | None:
+    """One array (codes, scales or offsets) of (tiles, tail) back in row order [N, ...]."""
+    return None if tiled is None else np.concatenate([_deinterleave(tiled, groups), tail])
+
+
+def from_tiles(tiles: Unpacked, tail: Unpacked) -> Unpacked:
+    """The row-ordered matrix of (tiles, tail) (`to_tiles` inverted)."""
+    groups = tail.scales.shape[1]
+    return Unpacked(row_ordered(tiles.codes, tail.codes, groups), row_ordered(tiles.scales, tail.scales, groups),
+                    row_ordered(tiles.offsets, tail.offsets, groups), tiles.group)
+
+
+def gather_rows(tiles: Unpacked, tail: Unpacked, index: np.ndarray) -> Unpacked:
+    """Rows `index` (integers, any order) row-ordered, read straight from the tiles: an embedding lookup
+    costs the rows it takes, not a whole-matrix transpose."""
+    index = np.asarray(index, dtype=np.int64).reshape(-1)
+    groups = tail.scales.shape[1]
+    whole = tiles.scales.shape[0] * LANES
+    in_tiles = index < whole
+    tile, lane, tail_row = index // LANES, index % LANES, np.maximum(index - whole, 0)
+
+    def take(a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray | None:
+        if a is None:
+            return None
+        width = b.shape[1]
+        out = np.empty((index.shape[0], width), dtype=a.dtype)
+        shaped = a.reshape(a.shape[0], groups, width // groups, LANES)
+        out[in_tiles] = shaped[tile[in_tiles], :, :, lane[in_tiles]].reshape(-1, width)
+        out[~in_tiles] = b[tail_row[~in_tiles]]
+        return out
+
+    return Unpacked(take(tiles.codes, tail.codes), take(tiles.scales, tail.scales),
+                    take(tiles.offsets, tail.offsets), tiles.group)

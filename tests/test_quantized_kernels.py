@@ -1,0 +1,170 @@
+"""The quantized kernels in their tiled layout (model/qtiles.py, kernels/qsimd.py, qgemv.py, qdecode_layer.py).
+
+Each block type's compiled product is held to dequantize-then-NumPy (float64) within the summation-order
+bound of float32 arithmetic, over shapes whose output rows are not a multiple of the 8-row tile, 1..16 rows
+of x (the kernels' 4/3/2/1-row blocks) and extreme scales (float16's largest and subnormal values, mixed in
+one matrix). The fused decode layer is held to the NumPy reference model of the same GGUF file.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gguf_files import random_k_blocks
+from kvlab.kernels import AVAILABLE
+from kvlab.model.ggml_quants import BLOCK_SIZES, BLOCK_TYPES, dequantize, unpack
+from kvlab.model.qtiles import LANES, from_tiles, gather_rows, to_tiles
+from kvlab.model.quantized import QuantizedMatrix
+
+gguf = pytest.importorskip("gguf")
+needs_numba = pytest.mark.skipif(not AVAILABLE, reason="numba is not installed")
+
+# where each type keeps its float16 d (and dmin) in a block: (byte offset of d, offset of dmin or None)
+SCALE_FIELDS = {"Q8_0": (0, None), "Q4_0": (0, None), "Q4_1": (0, 2), "Q5_0": (0, None), "Q5_1": (0, 2),
+                "Q2_K": (80, 82), "Q3_K": (108, None), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None)}
+EXTREMES = {"max": 65504.0, "subnormal": 2.0 ** -24, "small": 1e-6}
+
+
+def blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator, scales: str) -> np.ndarray:
+    """[rows, bytes] ggml blocks: llama.cpp's encoder (simple types) or random bytes (K types), then, unless
+    `scales` is "normal", every block's d/dmin set to an extreme float16 ("mixed": a random one each)."""
+    if type_name.endswith("_K"):
+        raw = random_k_blocks(rows, cols, type_name, rng)
+    else:
+        weights = rng.standard_normal((rows, cols)).astype(np.float32)
+        raw = gguf.quants.quantize(weights, gguf.GGMLQuantizationType[type_name])
+    if scales == "normal":
+        return raw
+    block, size = BLOCK_SIZES[type_name]
+    b = raw.reshape(-1, size).copy()
+    choices = np.array(list(EXTREMES.values()), dtype="<f2")
+    for field in SCALE_FIELDS[type_name]:
+        if field is None:
+            continue
+        values = rng.choice(choices, size=b.shape[0]) if scales == "mixed" else \
+            np.full(b.shape[0], EXTREMES[scales], dtype="<f2")
+        b[:, field:field + 2] = values.astype("<f2").view(np.uint8).reshape(-1, 2)
+    return b.reshape(rows, -1)
+
+
+def summation_bound(x: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Elementwise bound on float32 summation-order error: (K + 4) unit roundoffs of sum |x| |w|."""
+    return (x.shape[1] + 4) * 2.0 ** -24 * (np.abs(x).astype(np.float64) @ np.abs(weights).T) + 1e-37
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 40), groups=st.integers(1, 4), nibbles=st.booleans(), offsets=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_tiles_round_trip_and_gather(rows, groups, nibbles, offsets, seed):
+    from kvlab.model.ggml_quants import Unpacked
+
+    rng = np.random.default_rng(seed)
+    width = groups * (16 if nibbles else 32)
+    codes = rng.integers(0, 256, (rows, width), dtype=np.uint8)
+    u = Unpacked(codes if nibbles else codes.view(np.int8), rng.random((rows, groups), dtype=np.float32),
+                 rng.random((rows, groups), dtype=np.float32) if offsets else None, 32)
+    tiles, tail = to_tiles(u)
+    assert tiles.scales.shape == (rows // LANES, groups * LANES) and tail.scales.shape == (rows % LANES, groups)
+    back = from_tiles(tiles, tail)
+    index = rng.integers(0, rows, size=7)
+    picked = gather_rows(tiles, tail, index)
+    for name in ("codes", "scales", "offsets"):
+        want = getattr(u, name)
+        if want is None:
+            assert getattr(back, name) is None and getattr(picked, name) is None
+            continue
+        assert np.array_equal(getattr(back, name), want) and getattr(back, name).dtype == want.dtype
+        assert np.array_equal(getattr(picked, name), want[index])
+
+
+@needs_numba
+@settings(max_examples=60, deadline=None)
+@given(type_name=st.sampled_from(BLOCK_TYPES), out=st.integers(1, 40), n_blocks=st.integers(1, 3),
+       rows=st.integers(1, 20), scales=st.sampled_from(["normal", "max", "subnormal", "small", "mixed"]),
+       seed=st.integers(0, 2**16))
+def test_each_block_type_kernel_equals_dequantize_then_numpy(type_name, out, n_blocks, rows, scales, seed):
+    """The tiled kernel (<= 16 rows of x) and the prefill bands (> 16: compiled dequantization of the
+    tiles + BLAS) equal x @ dequantize(W).T within float32 summation error, elementwise; the compiled band
+    dequantization equals the reference's bits."""
+    from kvlab.kernels.qgemv import dequantize_tiles
+
+    rng = np.random.default_rng(seed)
+    cols = n_blocks * BLOCK_SIZES[type_name][0]
+    raw = blocks(type_name, out, cols, rng, scales)
+    matrix = QuantizedMatrix.from_blocks(type_name, raw, (out, cols))
+    reference = dequantize(unpack(type_name, raw, (out, cols)))
+    assert np.array_equal(matrix.dequantize(), reference)
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    got = matrix.matmul_t(x)
+    want = x.astype(np.float64) @ reference.astype(np.float64).T
+    assert got.dtype == np.float32 and got.shape == (rows, out)
+    assert np.all(np.abs(got - want) <= summation_bound(x, reference))
+    tiles = out // LANES
+    if tiles:
+        band = np.empty((tiles * LANES, cols), dtype=np.float32)
+        dequantize_tiles(matrix.tiles, 0, tiles, band)
+        assert np.array_equal(band, reference[:tiles * LANES])
+
+
+@needs_numba
+def test_inner_loop_is_eight_rows_in_a_vector_register():
+    """The compiled product's assembly widens 8 codes per instruction into a ymm register and multiplies
+    them in by FMA (lanes are rows): checked where the CPU has AVX2 + FMA (what LLVM targets there)."""
+    from llvmlite import binding
+
+    features = binding.get_host_cpu_features()
+    if not (features.get("avx2") and features.get("fma")):
+        pytest.skip("the CPU has no AVX2 + FMA")
+    from numba import njit
+
+    from kvlab.kernels.qgemv import NO_OFFSETS, group_sums, product_tile
+
+    @njit  # not cached: numba inspects only code it compiled in this process
+    def first_tile(x, xsum, codes, scales, offsets, group, out):
+        product_tile(x, xsum, codes, scales, offsets, group, out, 0)
+
+    rng = np.random.default_rng(0)
+    for type_name, widen in (("Q8_0", "vpmovsxbd"), ("Q4_1", "vpmovzxbd")):
+        tiles = QuantizedMatrix.quantize(rng.standard_normal((8, 64)).astype(np.float32), type_name).tiles
+        x = rng.standard_normal((1, 64)).astype(np.float32)
+        out = np.empty((1, 8), dtype=np.float32)
+        offsets = NO_OFFSETS if tiles.offsets is None else tiles.offsets
+        first_tile(x, group_sums(x, 32), tiles.codes, tiles.scales, offsets, 32, out)
+        lines = "\n".join(first_tile.inspect_asm().values()).splitlines()
+        for instruction in (widen, "vcvtdq2ps", "vfmadd231ps"):
+            assert any(instruction in line and "ymm" in line for line in lines), (type_name, instruction)
+        assert not any("vhaddps" in line or "vextractf128" in line for line in lines)  # no horizontal sums
+
+
+# --- the fused decode layer, through a model ------------------------------------------------------------
+@needs_numba
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1", "Q6_K"])
+def test_fused_quantized_layers_give_the_dequantized_models_logits_and_tokens(tmp_path, type_name):
+    """Every layer of a one-type file takes the fused kernels (int8 codes; nibbles with offsets; groups of
+    16): logits within 1e-4 (max |logit| + 1) of the same file dequantized to float32 (NumPy reference),
+    decoding through the cache too, and 64 greedy tokens equal."""
+    import kvlab
+    from gguf_files import small_config, write_gguf
+    from kvlab.model.ops import QuantizedLayer
+
+    path = tmp_path / "m.gguf"
+    sizes = dict(hidden_size=256, intermediate_size=512) if type_name.endswith("_K") else {}
+    write_gguf(path, small_config("llama", max_position_embeddings=128, **sizes), types=(type_name,))
+    reference, tokenizer = kvlab.load(path, backend="numpy", weights_dtype="float32")
+    assert not reference.quantized
+    model, _ = kvlab.load(path, weights_dtype="stored", backend="numba")
+    assert all(isinstance(layer, QuantizedLayer) for layer in model.ops.bind(model.layers))
+    ids = np.array([tokenizer.encode("The quick brown fox jumps over the lazy dog")[:12]])
+    want = reference.forward(ids).logits
+    scale = float(np.abs(want).max()) + 1
+    assert np.abs(model.forward(ids).logits - want).max() <= 1e-4 * scale
+    cache = model.new_cache(1)
+    steps = [model.forward(ids[:, :3], cache=cache).logits]
+    steps += [model.forward(ids[:, i:i + 1], cache=cache).logits for i in range(3, ids.shape[1])]
+    assert np.abs(np.concatenate(steps, axis=1) - want).max() <= 1e-4 * scale
+    assert np.array_equal(kvlab.generate(model, ids, 64), kvlab.generate(reference, ids, 64))
+    batch = np.concatenate([ids, ids[:, ::-1]])  # two rows decoded together: the fused kernels' row blocks
+    assert np.array_equal(kvlab.generate(model, batch, 8), kvlab.generate(reference, batch, 8))
