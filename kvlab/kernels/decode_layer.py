@@ -30,16 +30,13 @@ from numba import njit, prange
 from kvlab.kernels.gemv import FASTMATH, products, rms_norm_rows, silu_times_up
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
-def qkv_rope(x, norm, eps, w_qkv, bias, cos, sin, rotated_heads, out, zero):
-    """out [B, (H_q + 2 H_kv) d] = rms_norm(x) @ w_qkv.T + bias, then RoPE on the first `rotated_heads`
-    heads (q and k): cos[b], sin[b] [2, d/2] are row b's rotation (each row has its own position) with
-    sin sign-folded ([-sin, sin]), as the model's `rotate_halves`. An empty `bias` means none."""
-    xn = np.empty_like(x)
-    rms_norm_rows(x, norm, eps, xn, zero)
-    products(xn, w_qkv, out, zero)
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def bias_rope_rows(out, bias, cos, sin, rotated_heads):
+    """out [B, heads * d] += bias (empty: none), then RoPE on each row's first `rotated_heads` heads with
+    that row's cos[b], sin[b] [2, d/2] (sin sign-folded, as the model's `rotate_halves`). Shared by the
+    float and the quantized fused step, whose products differ but whose epilogue is this."""
     half = cos.shape[2]
-    for b in range(x.shape[0]):
+    for b in range(out.shape[0]):
         row, c, s = out[b], cos[b], sin[b]
         if bias.shape[0]:
             for i in range(row.shape[0]):
@@ -50,6 +47,17 @@ def qkv_rope(x, norm, eps, w_qkv, bias, cos, sin, rotated_heads, out, zero):
                 x1, x2 = first[i], second[i]
                 first[i] = x1 * c[0, i] + x2 * s[0, i]
                 second[i] = x2 * c[1, i] + x1 * s[1, i]
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def qkv_rope(x, norm, eps, w_qkv, bias, cos, sin, rotated_heads, out, zero):
+    """out [B, (H_q + 2 H_kv) d] = rms_norm(x) @ w_qkv.T + bias, then RoPE on the first `rotated_heads`
+    heads (q and k): cos[b], sin[b] [2, d/2] are row b's rotation (each row has its own position) with
+    sin sign-folded ([-sin, sin]), as the model's `rotate_halves`. An empty `bias` means none."""
+    xn = np.empty_like(x)
+    rms_norm_rows(x, norm, eps, xn, zero)
+    products(xn, w_qkv, out, zero)
+    bias_rope_rows(out, bias, cos, sin, rotated_heads)
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from kvlab.kernels.decode_layer import bias_rope_rows
 from kvlab.kernels.gemv import rms_norm_rows, silu_times_up
 from kvlab.kernels.qgemv import group_sums_into, product_tile, tail_rows
 
@@ -55,18 +56,7 @@ def qkv_rope(x, norm, eps, w_qkv, bias, cos, sin, rotated_heads, out, zero):
     xsum = _sums(xn, w_qkv)
     for t in prange(w_qkv[0].shape[0] + 1):
         _tile_or_tail(xn, xsum, w_qkv, out, t)
-    half = cos.shape[2]
-    for b in range(x.shape[0]):
-        row, c, s = out[b], cos[b], sin[b]
-        if bias.shape[0]:
-            for i in range(row.shape[0]):
-                row[i] += bias[i]
-        for h in range(rotated_heads):
-            first, second = row[2 * h * half:(2 * h + 1) * half], row[(2 * h + 1) * half:(2 * h + 2) * half]
-            for i in range(half):
-                x1, x2 = first[i], second[i]
-                first[i] = x1 * c[0, i] + x2 * s[0, i]
-                second[i] = x2 * c[1, i] + x1 * s[1, i]
+    bias_rope_rows(out, bias, cos, sin, rotated_heads)
 
 
 @njit(parallel=True, fastmath={"reassoc", "contract"}, cache=True)
