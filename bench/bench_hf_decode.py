@@ -36,10 +36,9 @@ import time
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "out"
-SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-             num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
-             rope_theta=100000.0, max_position_embeddings=8192, rms_norm_eps=1e-5, bos_token_id=0,
-             eos_token_id=0)
+from shapes import SMOLLM2_135M  # noqa: E402 (bench/shapes.py)
+
+SHAPE = SMOLLM2_135M
 
 
 def parse_args() -> argparse.Namespace:

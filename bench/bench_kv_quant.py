@@ -60,9 +60,9 @@ from kvlab.model.llama import LlamaModel  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from roofline import measure_bandwidth  # noqa: E402 (bench/roofline.py)
 
-SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-             num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
-             rope_theta=100000.0, max_position_embeddings=8192)
+from shapes import SMOLLM2_135M  # noqa: E402 (bench/shapes.py)
+
+SHAPE = SMOLLM2_135M
 BLOCK_SIZE = 16
 
 

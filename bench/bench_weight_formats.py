@@ -36,9 +36,9 @@ from kvlab.model.quantized import QuantizedMatrix, RowStack, dequantized, quanti
 from kvlab.model.weights import random_weights  # noqa: E402
 from roofline import measure_bandwidth  # noqa: E402 (bench/roofline.py)
 
-SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-             num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
-             rope_theta=100000.0, max_position_embeddings=8192, rms_norm_eps=1e-5)
+from shapes import SMOLLM2_135M  # noqa: E402 (bench/shapes.py)
+
+SHAPE = SMOLLM2_135M
 
 
 def step_bytes(model: LlamaModel, context: int) -> int:

@@ -211,3 +211,21 @@ def write_gguf(path: Path, config: ModelConfig, *, tokenizer: str = "gpt2", pre:
 def permute_back(weight: np.ndarray, heads: int) -> np.ndarray:
     return (weight.reshape(heads, weight.shape[0] // heads // 2, 2, *weight.shape[1:])
             .swapaxes(1, 2).reshape(weight.shape))
+
+
+def assert_cached_logits_match(model: Any, reference: Any, tokenizer: Any, prefill: int, greedy: int) -> np.ndarray:
+    """`model` (weights as stored) against `reference` (the same file dequantized to float32) on 12 tokens
+    of text: the full forward, then a cached prefill of `prefill` tokens and one token a step, each within
+    1e-4 x (max |logit| + 1); `greedy` generated tokens identical. Returns the ids, [1, 12]."""
+    import kvlab
+
+    ids = np.array([tokenizer.encode("The quick brown fox jumps over the lazy dog")[:12]])
+    want = reference.forward(ids).logits
+    scale = float(np.abs(want).max()) + 1
+    assert np.abs(model.forward(ids).logits - want).max() <= 1e-4 * scale
+    cache = model.new_cache(1)
+    steps = [model.forward(ids[:, :prefill], cache=cache).logits]
+    steps += [model.forward(ids[:, i:i + 1], cache=cache).logits for i in range(prefill, ids.shape[1])]
+    assert np.abs(np.concatenate(steps, axis=1) - want).max() <= 1e-4 * scale
+    assert np.array_equal(kvlab.generate(model, ids, greedy), kvlab.generate(reference, ids, greedy))
+    return ids

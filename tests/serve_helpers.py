@@ -17,6 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parent.parent
 SERVE = [sys.executable, "-m", "kvlab", "serve"]
 START_TIMEOUT_S = 90
+# the shipped model has no chat template: the server tests give it this one (role: content lines)
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
 def free_port() -> int:
@@ -110,6 +113,13 @@ class ServerProcess:
                 if set(sample.labels) <= {"model_name"}:
                     out[sample.name] = sample.value
         return out
+
+
+def chat_server(tmp: Path, *flags: str) -> "ServerProcess":
+    """`kvlab serve --dtype float64 --chat-template CHAT_TEMPLATE FLAGS...` on the shipped model, logging
+    into `tmp` (float64: the engine's tokens do not depend on the batch they run in)."""
+    (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
+    return ServerProcess("--dtype", "float64", "--chat-template", str(tmp / "chat.jinja"), *flags, log_dir=tmp)
 
 
 def clean_exit(status: int) -> bool:

@@ -12,23 +12,19 @@ import httpx
 import pytest
 
 from adversarial import SERVER_TALLY
-from serve_helpers import ServerProcess, clean_exit
+from serve_helpers import ServerProcess, chat_server, clean_exit
 
 KEY = "hostile-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LIMIT = 65536
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
 SECRET = "SECRET of tenant A: the launch code is 0000 and the vault opens at dawn, said the king. " * 2
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hostile")
-    (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
-    proc = ServerProcess("--dtype", "float64", "--chat-template", str(tmp / "chat.jinja"), "--max-waiting", "4",
-                         "--max-request-bytes", str(LIMIT), "--allowed-hosts", "kvlab.test", "--api-key", KEY,
-                         log_dir=tmp)
+    proc = chat_server(tmp, "--max-waiting", "4", "--max-request-bytes", str(LIMIT), "--allowed-hosts",
+                       "kvlab.test", "--api-key", KEY)
     yield proc
     assert clean_exit(proc.stop()), proc.log()
 

@@ -2,8 +2,6 @@
 scales) against the NumPy reference on the same stored values, and the compiled cache writer against the
 NumPy codec bit for bit; then the model and the engine with quantized caches on the compiled path."""
 
-import contextlib
-
 import ml_dtypes
 import numpy as np
 import pytest
@@ -15,6 +13,7 @@ from kvlab.cache.dtypes import resolve_kv_dtype
 from kvlab.cache.quant import FP8_DTYPES, decode_rows, encode_rows
 from kvlab.config import ModelConfig
 from kvlab.kernels import AVAILABLE
+from test_kernels import threshold   # the parallel or the single-threaded attention kernel, forced
 
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason="numba is not installed")
 
@@ -27,16 +26,6 @@ if AVAILABLE:
 FLOATS = ["float32", "float16", "bfloat16"]
 CODES = ["int8", "int4", "fp8_e4m3", "fp8_e5m2"]
 
-
-@contextlib.contextmanager
-def threshold(rows: int):
-    """Force the parallel (0) or the single-threaded (huge) kernel, whatever the size."""
-    saved = attention.PARALLEL_MIN_ROWS
-    attention.PARALLEL_MIN_ROWS = rows
-    try:
-        yield
-    finally:
-        attention.PARALLEL_MIN_ROWS = saved
 
 
 def stored_as(x: np.ndarray, name: str) -> tuple[object, np.ndarray]:

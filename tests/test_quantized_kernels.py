@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gguf_files import random_k_blocks
+from gguf_files import assert_cached_logits_match, random_k_blocks
 from kvlab.kernels import AVAILABLE
 from kvlab.model.ggml_quants import BLOCK_SIZES, BLOCK_TYPES, dequantize, unpack
 from kvlab.model.qtiles import LANES, from_tiles, gather_rows, to_tiles
@@ -89,7 +89,7 @@ def test_each_block_type_kernel_equals_dequantize_then_numpy(type_name, out, n_b
     """The tiled kernel (<= 16 rows of x) and the prefill bands (> 16: compiled dequantization of the
     tiles + BLAS) equal x @ dequantize(W).T within float32 summation error, elementwise; the compiled band
     dequantization equals the reference's bits."""
-    from kvlab.kernels.qgemv import dequantize_tiles
+    from kvlab.kernels.qgemv import dequantize_tiles_t
 
     rng = np.random.default_rng(seed)
     cols = n_blocks * BLOCK_SIZES[type_name][0]
@@ -103,10 +103,10 @@ def test_each_block_type_kernel_equals_dequantize_then_numpy(type_name, out, n_b
     assert got.dtype == np.float32 and got.shape == (rows, out)
     assert np.all(np.abs(got - want) <= summation_bound(x, reference))
     tiles = out // LANES
-    if tiles:
-        band = np.empty((tiles * LANES, cols), dtype=np.float32)
-        dequantize_tiles(matrix.tiles, 0, tiles, band)
-        assert np.array_equal(band, reference[:tiles * LANES])
+    for first in range(min(tiles, 2)):   # the whole band, and one starting past the first tile
+        band_t = np.empty((cols, (tiles - first) * LANES), dtype=np.float32)
+        dequantize_tiles_t(matrix.tiles, first, tiles, band_t)
+        assert np.array_equal(band_t, reference[first * LANES:tiles * LANES].T)
 
 
 @needs_numba
@@ -157,14 +157,6 @@ def test_fused_quantized_layers_give_the_dequantized_models_logits_and_tokens(tm
     assert not reference.quantized
     model, _ = kvlab.load(path, weights_dtype="stored", backend="numba")
     assert all(isinstance(layer, QuantizedLayer) for layer in model.ops.bind(model.layers))
-    ids = np.array([tokenizer.encode("The quick brown fox jumps over the lazy dog")[:12]])
-    want = reference.forward(ids).logits
-    scale = float(np.abs(want).max()) + 1
-    assert np.abs(model.forward(ids).logits - want).max() <= 1e-4 * scale
-    cache = model.new_cache(1)
-    steps = [model.forward(ids[:, :3], cache=cache).logits]
-    steps += [model.forward(ids[:, i:i + 1], cache=cache).logits for i in range(3, ids.shape[1])]
-    assert np.abs(np.concatenate(steps, axis=1) - want).max() <= 1e-4 * scale
-    assert np.array_equal(kvlab.generate(model, ids, 64), kvlab.generate(reference, ids, 64))
+    ids = assert_cached_logits_match(model, reference, tokenizer, prefill=3, greedy=64)
     batch = np.concatenate([ids, ids[:, ::-1]])  # two rows decoded together: the fused kernels' row blocks
     assert np.array_equal(kvlab.generate(model, batch, 8), kvlab.generate(reference, batch, 8))

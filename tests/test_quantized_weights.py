@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gguf_files import random_k_blocks
+from gguf_files import assert_cached_logits_match, random_k_blocks
 from kvlab.model.ggml_quants import BLOCK_SIZES, BLOCK_TYPES, dequantize, unpack
 from kvlab.kernels import AVAILABLE
 from kvlab.model.quantized import QuantizedMatrix
@@ -117,15 +117,7 @@ def test_a_gguf_kept_as_stored_computes_the_dequantized_models_logits(tmp_path, 
     model, _ = kvlab.load(path, weights_dtype="stored", backend=backend)
     assert model.quantized and any(isinstance(layer.w_qkv, QuantizedMatrix) or
                                    type(layer.w_qkv).__name__ == "RowStack" for layer in model.layers)
-    ids = np.array([tokenizer.encode("The quick brown fox jumps over the lazy dog")[:12]])
-    want = reference.forward(ids).logits
-    scale = float(np.abs(want).max()) + 1
-    assert np.abs(model.forward(ids).logits - want).max() <= 1e-4 * scale
-    cache = model.new_cache(1)
-    steps = [model.forward(ids[:, :5], cache=cache).logits]
-    steps += [model.forward(ids[:, i:i + 1], cache=cache).logits for i in range(5, ids.shape[1])]
-    assert np.abs(np.concatenate(steps, axis=1) - want).max() <= 1e-4 * scale
-    assert np.array_equal(kvlab.generate(model, ids, 12), kvlab.generate(reference, ids, 12))
+    assert_cached_logits_match(model, reference, tokenizer, prefill=5, greedy=12)
     assert model.fingerprint != reference.fingerprint  # a cache of one is refused by the other
 
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from kvlab.sampling.sampler import Sampler, SamplingParams
+from kvlab.sampling.sampler import Sampler, SamplingParams, sample_rows
 from kvlab.errors import InputError
 
 EXACT = 1e-12  # float64 softmax of a handful of logits: errors are ~1e-16; this allows a few ulps x 1e3
@@ -323,3 +323,18 @@ def test_top_p_support_is_the_minimal_prefix_reaching_top_p(probs, top_p) -> Non
     assume(np.all(np.abs(prefix - top_p) > 1e-9))
     assume(len({p[i] for i in order}) == len(order))  # tied probabilities may be ordered either way
     assert set(np.flatnonzero(got > 0).tolist()) == keep
+
+
+@given(st.lists(st.sampled_from([0.0, 0.7, 1.3]), min_size=1, max_size=9), st.integers(0, 2**16),
+       st.integers(2, 40))
+def test_one_call_for_a_step_draws_what_each_row_draws_alone(temperatures, seed, vocab):
+    """The engine samples a step's rows in one call: greedy rows through one argmax, each seeded row through
+    its own generator, so every row gets the token its sampler gives it alone, three steps running."""
+    rng = np.random.default_rng(seed)
+    params = [SamplingParams(temperature=t, top_k=3 if i % 2 else 0, seed=seed + i)
+              for i, t in enumerate(temperatures)]
+    batched, alone = [Sampler(p) for p in params], [Sampler(p) for p in params]
+    for _ in range(3):
+        logits = rng.normal(size=(len(params), vocab)) * 3
+        expected = [int(sampler(logits[i:i + 1])[0]) for i, sampler in enumerate(alone)]
+        assert sample_rows(batched, logits).tolist() == expected

@@ -24,10 +24,8 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvlab
-from serve_helpers import ServerProcess, clean_exit
+from serve_helpers import ServerProcess, chat_server, clean_exit
 
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
 SYSTEM = ("You are a player in a company of actors. Speak in verse, as the Bard would, and keep to the "
           "scene that is set for you. ")
 QUESTIONS = ["Who is there?", "What news from Rome?", "Where is the king?", "Is this a dagger?",
@@ -43,9 +41,7 @@ def model_and_tokenizer():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
-    (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
-    proc = ServerProcess("--dtype", "float64", "--chat-template", str(tmp / "chat.jinja"),
-                         "--served-model-name", "bard", "kvlab-default", "--max-waiting", "64", log_dir=tmp)
+    proc = chat_server(tmp, "--served-model-name", "bard", "kvlab-default", "--max-waiting", "64")
     yield proc
     assert clean_exit(proc.stop()), proc.log()
 
@@ -475,7 +471,7 @@ def test_api_key_guards_the_api_and_chat_needs_a_template(tmp_path):
 
 def test_full_waiting_queue_gets_429_and_shutdown_gets_503(tmp_path):
     proc = ServerProcess("--max-num-seqs", "1", "--max-waiting", "1", "--shutdown-timeout", "0",
-                         log_dir=tmp_path)
+                         "--enable-pause", log_dir=tmp_path)
     body = {"prompt": "Once more unto the breach", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
     results: dict[str, httpx.Response] = {}
 
@@ -491,6 +487,10 @@ def test_full_waiting_queue_gets_429_and_shutdown_gets_503(tmp_path):
         running = threading.Thread(target=post, args=("running",))
         running.start()
         wait_for(lambda: any(r["status"] == "running" for r in proc.cache_state()["requests"]))
+        # paused, the running request cannot finish before the queue fills, however fast this machine is
+        assert proc.post("/pause", {}).json() == {"paused": True}
+        assert proc.get("/is_paused").json() == {"is_paused": True}
+        assert any(r["status"] == "running" for r in proc.cache_state()["requests"]), "finished before /pause"
         waiting = threading.Thread(target=stream, args=("waiting",))
         waiting.start()
         wait_for(lambda: any(r["status"] == "waiting" for r in proc.cache_state()["requests"]))

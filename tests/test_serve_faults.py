@@ -1,6 +1,7 @@
 """The server's engine loop under faults and heavy requests, in process (uvicorn on a thread) so a test can
 reach inside: a step that raises for one request fails only that request (issue 22 item 4), and
-tokenization never runs on the event loop, so a huge prompt does not stall /health (item 2).
+tokenization never runs on the event loop, so a huge prompt does not stall /health (item 2); /pause holds
+every request between two steps and /resume carries on to the same text.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ def model_and_tokenizer():
     return kvlab.load(dtype="float64")
 
 
-def start(model_and_tokenizer, **engine_kw) -> InProcessServer:
+def start(model_and_tokenizer, enable_pause: bool = False, **engine_kw) -> InProcessServer:
     model, tokenizer = model_and_tokenizer
-    app = create_app(Engine(model, tokenizer, **engine_kw), tokenizer, model_names=["bard"])
+    app = create_app(Engine(model, tokenizer, **engine_kw), tokenizer, model_names=["bard"],
+                     enable_pause=enable_pause)
     return InProcessServer(app)
 
 
@@ -135,4 +137,46 @@ def test_tokenization_runs_off_the_event_loop(model_and_tokenizer, monkeypatch):
         assert threads[0] != "uvicorn" and threads[0] != threading.main_thread().name
     finally:
         release.set()
+        server.stop()
+
+
+def test_pause_holds_requests_between_steps_and_resume_finishes_them(model_and_tokenizer, monkeypatch):
+    """Paused (from inside the loop, after the third step, so no clock decides when) the running request keeps
+    its tokens while the loop answers calls, a new one queues; resumed, both finish with the reference text.
+    Without --enable-pause the routes do not exist."""
+    model, tokenizer = model_and_tokenizer
+    plain = start(model_and_tokenizer)
+    try:
+        assert plain.post("/pause").status_code == 404 and plain.get("/is_paused").status_code == 404
+    finally:
+        plain.stop()
+    server = start(model_and_tokenizer, enable_pause=True)
+    real_forward = LlamaModel.forward_batch
+    steps: list[int] = []
+
+    def counting_forward(model, batch, *args, **kwargs):
+        steps.append(len(batch.query_lens))
+        if len(steps) == 3:
+            server.engine_loop.set_paused(True)   # takes effect before the next step
+        return real_forward(model, batch, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaModel, "forward_batch", counting_forward)
+    body = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(server.post, "/v1/completions", {**body, "prompt": PROMPTS[0]})
+            while server.get("/is_paused").json() != {"is_paused": True}:
+                threading.Event().wait(0.01)
+            held = [server.get("/v1/cache/state").json()["requests"] for _ in range(3)]   # three loop turns
+            assert all([(r["status"], r["num_output_tokens"]) for r in h] == [("running", 3)] for h in held), held
+            second = pool.submit(server.post, "/v1/completions", {**body, "prompt": PROMPTS[1]})
+            while len(server.get("/v1/cache/state").json()["requests"]) < 2:
+                threading.Event().wait(0.01)
+            assert len(steps) == 3   # nothing ran while paused
+            assert server.post("/resume").json() == {"paused": False}
+            texts = [f.result(60).json()["choices"][0]["text"] for f in (first, second)]
+        assert texts == [reference(model_and_tokenizer, tokenizer.encode(p), MAX_TOKENS) for p in PROMPTS[:2]]
+        assert server.get("/is_paused").json() == {"is_paused": False}
+    finally:
+        server.engine_loop.set_paused(False)
         server.stop()

@@ -9,10 +9,8 @@ import pytest
 
 import kvlab
 from kvlab.policies import AttentionSinks
-from serve_helpers import ServerProcess, clean_exit
+from serve_helpers import chat_server, clean_exit
 
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
 POLICY = AttentionSinks(4, 60)
 LINES = ["Now is the winter of our discontent made glorious summer by this sun of York;",
          "And all the clouds that lour'd upon our house in the deep bosom of the ocean buried.",
@@ -27,14 +25,11 @@ def model_and_tokenizer():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve-policy")
-    (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
     # 8 blocks of 16 = 128 tokens, half the model's 256-token context; chunks of the policy's max_chunk,
     # as the contiguous generate loop runs them (a policy's output depends on the chunks; a prefix hit
     # would move them, so prefix caching is off here: tests/test_engine_policy.py covers hits)
-    proc = ServerProcess("--dtype", "float64", "--chat-template", str(tmp / "chat.jinja"),
-                         "--kv-policy", str(POLICY), "--num-blocks", "8", "--block-size", "16",
-                         "--max-num-batched-tokens", str(POLICY.max_chunk), "--no-enable-prefix-caching",
-                         log_dir=tmp)
+    proc = chat_server(tmp, "--kv-policy", str(POLICY), "--num-blocks", "8", "--block-size", "16",
+                       "--max-num-batched-tokens", str(POLICY.max_chunk), "--no-enable-prefix-caching")
     yield proc
     assert clean_exit(proc.stop()), proc.log()
 

@@ -42,6 +42,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     limits.add_argument("--hide-cache-text", action="store_true",
                         help="never show cached tokens or text in /v1/cache/state and the explorer, not even "
                              "unsalted ones (salted blocks are shown only to their own cache_salt anyway)")
+    limits.add_argument("--enable-pause", action="store_true",
+                        help="serve POST /pause, POST /resume and GET /is_paused (as vLLM's dev mode does): the "
+                             "engine stops stepping, requests in flight keep their blocks (default off: any "
+                             "caller could stall every request)")
     p.add_argument("--chat-template", metavar="FILE", default=None,
                    help="a Jinja chat template to use instead of the model's (or where it has none)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="compute dtype")
@@ -146,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
     names = args.served_model_name or [name]
     app = create_app(engine, tokenizer, model_names=names, model_root=root, api_key=args.api_key or None,
                      max_waiting=args.max_waiting, max_request_bytes=args.max_request_bytes,
-                     allowed_hosts=(args.host, *args.allowed_hosts), hide_cache_text=args.hide_cache_text)
+                     allowed_hosts=(args.host, *args.allowed_hosts), hide_cache_text=args.hide_cache_text,
+                     enable_pause=args.enable_pause)
     engine_loop = app.state.kvlab.engine_loop
 
     class Server(uvicorn.Server):

@@ -30,7 +30,7 @@ from kvlab.engine.kv_bounds import NULL_BLOCK, KVBounds
 from kvlab.engine.request import Sequence, Status
 from kvlab.generation.loop import StopReason, stop_reason
 from kvlab.prefix.prefix_cache import PrefixCache
-from kvlab.sampling.sampler import top_logprobs
+from kvlab.sampling.sampler import sample_rows, top_logprobs
 
 
 @dataclass
@@ -201,25 +201,25 @@ class Scheduler:
 
     # --- after the forward ---------------------------------------------------------------------------------
     def postprocess(self, sampled: list[Sequence], logits: np.ndarray) -> None:
-        """Sample each sequence's next token from its logits row (forking siblings at the first one), then
-        detokenize and apply the stop rule."""
+        """Sample every sequence's next token from its logits row in one call (forking siblings at the
+        first one: they share sample 0's row), then detokenize and apply the stop rule."""
+        targets, rows = [], []
         for row, seq in enumerate(sampled):
-            self._append_tokens(seq, logits[row])
-
-    def _append_tokens(self, seq: Sequence, logits: np.ndarray) -> None:
-        request = seq.request
-        targets = [seq]
-        if not request.forked:  # sample 0 has just finished the prompt: the other samples start here
-            for child in request.seqs[1:]:
-                self.fork(seq, child)
-                targets.append(child)
-            request.forked = True
-        for target in targets:
-            token = int(target.sampler(logits[None])[0])
+            targets.append(seq)
+            rows.append(row)
+            request = seq.request
+            if not request.forked:  # sample 0 has just finished the prompt: the other samples start here
+                for child in request.seqs[1:]:
+                    self.fork(seq, child)
+                    targets.append(child)
+                    rows.append(row)
+                request.forked = True
+        tokens = sample_rows([target.sampler for target in targets], logits[rows])
+        for target, row, token in zip(targets, rows, tokens.tolist()):
             target.token_ids.append(token)
             self.counters.num_generation_tokens += 1
             if target.logprobs is not None:
-                target.logprobs.append(top_logprobs(logits, token, request.params.logprobs))
+                target.logprobs.append(top_logprobs(logits[row], token, target.request.params.logprobs))
             self._check_stop(target, token)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:

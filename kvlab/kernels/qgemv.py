@@ -114,33 +114,41 @@ def qmatmul(x: np.ndarray, tiles, tail) -> np.ndarray:
 
 
 @njit(parallel=True, cache=True)
-def _dequantize_tiles(codes, scales, offsets, group, t0, t1, out):
-    """out[8(t - t0) + r, k] = scale * code + offset for tiles t0..t1-1, in IEEE float32 as
-    ggml_quants.dequantize computes it (no contraction: the same bits)."""
+def _dequantize_tiles_t(codes, scales, offsets, group, t0, t1, out):
+    """out[k, 8(t - t0) + r] = scale * code + offset for tiles t0..t1-1: the band transposed, so a tile's
+    eight interleaved codes of one column land in eight adjacent floats (the r loop vectorises: loads and
+    stores both contiguous). IEEE float32 as ggml_quants.dequantize computes it (multiply, then add; no
+    contraction: the same bits)."""
     groups = scales.shape[1] // 8
     nibbles = 2 * codes.shape[1] == groups * group * 8
     per = group // 2 if nibbles else group
     has_offsets = offsets.shape[0] > 0
     for t in prange(t0, t1):
+        base = (t - t0) * 8
         for g in range(groups):
-            for r in range(8):
-                row, s = (t - t0) * 8 + r, scales[t, g * 8 + r]
-                o = offsets[t, g * 8 + r] if has_offsets else np.float32(0)
-                for j in range(per):
-                    c = codes[t, (g * per + j) * 8 + r]
+            for j in range(per):
+                c0 = (g * per + j) * 8
+                k = g * group + j
+                for r in range(8):
+                    s = scales[t, g * 8 + r]
                     if nibbles:
-                        byte = np.int32(c)
+                        byte = np.int32(codes[t, c0 + r])
                         low = np.float32(byte & 15) * s
                         high = np.float32(byte >> 4) * s
-                        out[row, g * group + j] = low + o if has_offsets else low
-                        out[row, g * group + j + per] = high + o if has_offsets else high
+                        if has_offsets:
+                            low += offsets[t, g * 8 + r]
+                            high += offsets[t, g * 8 + r]
+                        out[k, base + r] = low
+                        out[k + per, base + r] = high
                     else:
-                        value = np.float32(c) * s
-                        out[row, g * group + j] = value + o if has_offsets else value
+                        value = np.float32(codes[t, c0 + r]) * s
+                        if has_offsets:
+                            value += offsets[t, g * 8 + r]
+                        out[k, base + r] = value
 
 
-def dequantize_tiles(tiles, t0: int, t1: int, out: np.ndarray) -> None:
-    """Tiles t0..t1-1 of a tiled matrix (model/qtiles.py) as float32 rows into out [8 (t1 - t0), K]: a
-    prefill's band of weights, dequantized where BLAS will read it."""
+def dequantize_tiles_t(tiles, t0: int, t1: int, out: np.ndarray) -> None:
+    """Tiles t0..t1-1 of a tiled matrix (model/qtiles.py) as float32 columns: out [K, 8 (t1 - t0)] is the
+    transposed band of rows, a prefill's weights dequantized where BLAS reads them (x @ out)."""
     offsets = NO_OFFSETS if tiles.offsets is None else tiles.offsets
-    _dequantize_tiles(tiles.codes, tiles.scales, offsets, tiles.group, t0, t1, out)
+    _dequantize_tiles_t(tiles.codes, tiles.scales, offsets, tiles.group, t0, t1, out)

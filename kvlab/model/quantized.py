@@ -162,18 +162,19 @@ class QuantizedMatrix:
         rows, width = self.shape
         out = np.empty((x.shape[0], rows), dtype=x.dtype)
         step = max(LANES, TILE_VALUES // width // LANES * LANES)
-        buffer = np.empty((min(step, rows), width), dtype=np.float32)
+        buffer = np.empty((width, min(step, rows)), dtype=np.float32)   # W.T's band: [K, rows]
         whole = self.tiles.scales.shape[0] * LANES
         for start in range(0, rows, step):
             stop = min(start + step, rows)
-            band = buffer[:stop - start]
+            band_t = buffer[:, :stop - start]
             if compiled and stop <= whole:
-                from kvlab.kernels.qgemv import dequantize_tiles
+                from kvlab.kernels.qgemv import dequantize_tiles_t
 
-                dequantize_tiles(self.tiles, start // LANES, stop // LANES, band)
+                dequantize_tiles_t(self.tiles, start // LANES, stop // LANES, band_t)
             else:
-                band[...] = dequantize(self.rows(slice(start, stop)))
-            np.matmul(x, band.T.astype(x.dtype, copy=False), out=out[:, start:stop])
+                band_t[...] = dequantize(self.rows(slice(start, stop))).T
+            # into a contiguous product, then copied: a matmul whose `out` is a column slice skips BLAS
+            out[:, start:stop] = x @ band_t.astype(x.dtype, copy=False)
         return out
 
 

@@ -131,3 +131,17 @@ class Sampler:
         u = self.rng.random((probs.shape[0], 1))
         choice = (np.cumsum(probs, axis=-1) < u).sum(axis=-1)
         return np.minimum(choice, probs.shape[-1] - 1).astype(np.int64)
+
+
+def sample_rows(samplers: list[Sampler], logits: np.ndarray) -> np.ndarray:
+    """One token per row of [R, vocab] `logits`, row i drawn by `samplers[i]`: the greedy rows in one argmax
+    over them all; each seeded row by its own generator, so a request's tokens do not depend on who shares
+    its step."""
+    tokens = np.empty(len(samplers), dtype=np.int64)
+    greedy = [i for i, sampler in enumerate(samplers) if sampler.params.greedy]
+    if greedy:
+        tokens[greedy] = np.argmax(logits[greedy], axis=-1)
+    for i, sampler in enumerate(samplers):
+        if not sampler.params.greedy:
+            tokens[i] = sampler(logits[i:i + 1])[0]
+    return tokens

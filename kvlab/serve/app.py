@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
@@ -23,6 +24,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvlab.errors import ContextLengthError, KVLabError
+from kvlab.model.llama import out_of_vocab
 from kvlab.prefix.block_hash import root_key
 from kvlab.serve.guard import RequestGuard
 from kvlab.serve.limits import DEFAULT_MAX_REQUEST_BYTES
@@ -69,9 +71,12 @@ class ServerState:
                        "model_not_found")
 
     def check_ids(self, ids: list[int], param: str) -> None:
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise bad_request(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})", param)
+        try:
+            outside = out_of_vocab(np.asarray(ids, dtype=np.int64), self.vocab_size)
+        except OverflowError:   # JSON ints are unbounded; one past int64 is outside any vocabulary
+            outside = (max(ids, key=abs), ())
+        if outside is not None:
+            raise bad_request(f"token id {outside[0]} is outside the vocabulary (0..{self.vocab_size - 1})", param)
 
     def precheck(self, num_chars: int, param: str) -> None:
         """Refuse a text that cannot fit the context, before tokenizing it: a text of N characters is at
@@ -128,7 +133,7 @@ def _hold_back(stops: list[str]) -> int:
 def create_app(engine: Any, tokenizer: Any, *, model_names: list[str], model_root: str = "",
                api_key: str | None = None, max_waiting: int = 256,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, allowed_hosts: tuple[str, ...] = (),
-               hide_cache_text: bool = False) -> FastAPI:
+               hide_cache_text: bool = False, enable_pause: bool = False) -> FastAPI:
     """The app; its lifespan runs the engine loop. Shutdown draining is the runner's: call
     `app.state.kvlab.engine_loop.begin_shutdown(grace_s)` when a stop signal arrives."""
     state = ServerState(engine, tokenizer, model_names, model_root, max_waiting, hide_cache_text)
@@ -192,6 +197,22 @@ def create_app(engine: Any, tokenizer: Any, *, model_names: list[str], model_roo
     @app.post("/reset_prefix_cache", responses=ERROR_RESPONSES)
     async def reset_prefix_cache(body: ResetRequest) -> dict[str, Any]:
         return {"reset": bool(await loop.call(lambda engine: engine.reset_prefix_cache()))}
+
+    if enable_pause:   # off by default: one caller could stall every tenant (vLLM keeps it to dev mode)
+        @app.post("/pause", responses=ERROR_RESPONSES)
+        async def pause(body: ResetRequest) -> dict[str, Any]:
+            """Stop stepping the engine: requests in flight keep their blocks and wait; new ones queue."""
+            loop.set_paused(True)
+            return {"paused": True}
+
+        @app.post("/resume", responses=ERROR_RESPONSES)
+        async def resume(body: ResetRequest) -> dict[str, Any]:
+            loop.set_paused(False)
+            return {"paused": False}
+
+        @app.get("/is_paused")
+        async def is_paused() -> dict[str, Any]:
+            return {"is_paused": loop.paused}
 
     @app.get("/v1/cache/state", responses=ERROR_RESPONSES)
     async def cache_state(cache_salt: str | None = None) -> dict[str, Any]:

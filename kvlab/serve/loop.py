@@ -105,6 +105,7 @@ class EngineLoop:
         self._pending_adds = 0                      # requests sent but not yet added (under _lock)
         self._draining = False
         self._drain_deadline: float | None = None
+        self._paused = False                        # POST /pause: no steps until /resume (loop thread reads)
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.stats: dict[str, Any] = dict(engine.stats())   # snapshot, replaced after every step
@@ -130,6 +131,16 @@ class EngineLoop:
             self._draining = True
             self._drain_deadline = time.monotonic() + grace_s
         self._inbox.put(("wake",))
+
+    def set_paused(self, paused: bool) -> None:
+        """Stop stepping (requests in flight keep their blocks and wait) or start again, as vLLM's and
+        SGLang's pause/resume do: between steps, so a paused engine holds whole steps only."""
+        self._paused = paused
+        self._inbox.put(("wake",))
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
 
     @property
     def num_waiting(self) -> int:
@@ -185,7 +196,7 @@ class EngineLoop:
                                 "service_unavailable"))
 
     def _iterate(self) -> None:
-        busy = self.engine.has_unfinished_requests()
+        busy = self.engine.has_unfinished_requests() and not self._paused
         try:
             command = self._inbox.get_nowait() if busy else self._inbox.get(timeout=IDLE_WAIT_S)
         except queue.Empty:
@@ -198,7 +209,7 @@ class EngineLoop:
                 command = None
         if self._draining and self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
             self._fail_all(APIError(503, "the server is shutting down", "service_unavailable"))
-        if self.engine.has_unfinished_requests():
+        if self.engine.has_unfinished_requests() and not self._paused:
             try:
                 outputs = self.engine.step()
             except Exception:

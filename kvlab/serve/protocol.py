@@ -194,8 +194,8 @@ class DetokenizeRequest(_Body):
 
 
 class ResetRequest(_Body):
-    """POST /reset_prefix_cache takes an empty JSON object: a body is required so that no cross-site form
-    can post it (see kvlab.serve.guard)."""
+    """POST /reset_prefix_cache, /pause and /resume take an empty JSON object: a body is required so that no
+    cross-site form can post it (see kvlab.serve.guard)."""
 
 
 class ErrorDetail(BaseModel):
