@@ -28,6 +28,7 @@ FASTMATH = {"reassoc", "contract"}  # vectorised sums; no assumptions about inf/
 MAX_KERNEL_ROWS = 16  # above this many rows of x, BLAS on widened weights is faster
 TILE_MIN_ROWS = 8  # from this many rows of x, 2-D register tiles (`matvec_block`)
 TILE_BLOCK_BYTES = 128 * 1024  # the rows of w one work item holds in L2 while x's row blocks pass over them
+COLUMNS_PER_ITEM = 8  # below TILE_MIN_ROWS rows: output columns per parallel work item
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
@@ -101,20 +102,24 @@ def _tile_4x2(x, w, out, zero, m, n):
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def column_block(rows, columns, depth, itemsize):
-    """Output columns per parallel work item. Below TILE_MIN_ROWS rows, one (the threads balance column by
-    column). From it, an even count whose rows of w fit TILE_BLOCK_BYTES, so that w's block stays in L2
-    while each 4-row block of x passes over it, and at most a 1/32 share of the columns, so that the
-    threads' shares stay even."""
+    """Output columns per parallel work item. Below TILE_MIN_ROWS rows, eight (prange hands each thread an
+    equal run of items anyway; eight columns make the call into `matvec_block` cost nothing). From it, an
+    even count whose rows of w fit TILE_BLOCK_BYTES, so that w's block stays in L2 while each 4-row block
+    of x passes over it, and at most a 1/32 share of the columns, so that the threads' shares stay even."""
     if rows < TILE_MIN_ROWS:
-        return 1
+        return COLUMNS_PER_ITEM
     fits = TILE_BLOCK_BYTES // max(depth * itemsize, 1)
     return max(2, min(fits, columns // 32) // 2 * 2)
 
 
-@njit(fastmath=FASTMATH, cache=True, inline="always")
+@njit(fastmath=FASTMATH, cache=True)
 def matvec_block(x, w, out, zero, n0, n1):
     """out[:, n0:n1] = x @ w[n0:n1].T. Fewer than TILE_MIN_ROWS rows (memory-bound: one pass over each
-    row of w, one stream): column by column. More: 4x2 register tiles over the block (compute-bound)."""
+    row of w, one stream): column by column. More: 4x2 register tiles over the block (compute-bound).
+
+    Called, not inlined: a fused layer runs three products, and inlining this body (its column loops
+    three times over, and the tiles) into each made numba's cold compile of one half-precision
+    `output_mlp` take ~80 s; called, it compiles once per signature and every caller links it."""
     rows = x.shape[0]
     if rows < TILE_MIN_ROWS:
         for n in range(n0, n1):
