@@ -4,6 +4,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvlab import (CacheMismatchError, ConfigError, ContextLengthError, InputError, ModelConfig, TinyLlama,
                    generate)
@@ -155,3 +157,18 @@ def test_config_files_that_are_not_configs(tmp_path):
                                                       "sliding_window": 16}))
     config = ModelConfig.from_file(tmp_path)
     assert (config.sliding_window, config.head_dim, config.num_key_value_heads) == (16, 16, 4)
+
+
+@given(st.lists(st.integers(-3, 40), max_size=30), st.integers(1, 40))
+def test_the_one_range_check_finds_the_first_id_outside_the_vocabulary(ids, vocab):
+    """validate.out_of_vocab, behind every refusal of a token id (model, engine, sessions, server): the first
+    id outside [0, vocab) in order, with its index, as a plain loop finds it; also for a 2-D array."""
+    from kvlab.validate import out_of_vocab
+
+    first = next(((t, (i,)) for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+    assert out_of_vocab(ids, vocab) == first
+    if ids:
+        grid = np.array([ids, ids[::-1]])
+        found = out_of_vocab(grid, vocab)
+        assert found == (None if first is None else (first[0], (0, first[1][0])))
+    assert out_of_vocab([2**70, 1], 10) == (2**70, (0,))   # past int64: still named, not an overflow

@@ -362,3 +362,82 @@ def test_the_loop_is_a_generator_that_runs_nothing_before_the_first_next():
     loop = DecodeLoop(step, lambda logits: logits.argmax(-1), 2, [])
     assert loop.send(None).tolist() == [5] and loop.reason is None  # send(None) is next()
     assert next(loop).tolist() == [6] and loop.reason is StopReason.MAX_TOKENS
+
+
+# --- the scheduler's rules on hand-set states (the engine rarely lands exactly on these) -------------------
+
+def scheduler_with(budget: int, num_blocks: int, *seqs: tuple[str, int, int, int]):
+    """A Scheduler over a pool of `num_blocks` 4-token blocks, running `seqs` in the order given: each
+    (name, num_tokens, num_computed_tokens, admitted_at), holding the blocks its computed tokens fill."""
+    from kvlab.engine.request import Request, Status
+    from kvlab.engine.scheduler import Scheduler
+
+    pool = BlockPool(1, 1, 2, np.float64, 4, num_blocks)
+    scheduler = Scheduler(pool, PrefixCache(pool), max_num_seqs=8, max_num_batched_tokens=budget)
+    named = {}
+    for name, num_tokens, num_computed, admitted_at in seqs:
+        seq = Request(name, list(range(1, num_tokens + 1)), SamplingParams(max_tokens=50), ROOT, 50).seqs[0]
+        seq.num_computed_tokens = num_computed
+        seq.block_table = pool.allocate(pool.blocks_for(num_computed))
+        seq.status, seq.admitted_at = Status.RUNNING, admitted_at
+        scheduler.running.append(seq)
+        named[name] = seq
+    scheduler._admissions = 1 + max(s.admitted_at for s in named.values())
+    return scheduler, named
+
+
+def planned(out) -> list[tuple[str, int]]:
+    return [(seq.request.request_id, n) for seq, n in out.scheduled]
+
+
+def test_decodes_go_before_a_prefill_that_runs_ahead_of_them():
+    """A prefill with two tokens left, first in the running list, waits for the decode behind it."""
+    scheduler, _ = scheduler_with(2, 8, ("prefill", 10, 8, 0), ("decode", 5, 4, 1))
+    assert planned(scheduler.schedule()) == [("decode", 1), ("prefill", 1)]
+
+
+def test_a_preempted_sequence_is_skipped_and_the_ones_after_it_still_run():
+    """`a` needs a third block and none is free: `v`, admitted last, is preempted (its one block freed)
+    before its turn; the prefill after it still gets what is left of the budget, no token more."""
+    scheduler, seqs = scheduler_with(3, 5, ("a", 9, 8, 0), ("v", 5, 4, 2), ("p", 8, 5, 1))
+    assert planned(scheduler.schedule()) == [("a", 1), ("p", 2)]
+    assert list(scheduler.waiting) == [seqs["v"]] and seqs["v"].block_table == []
+    assert scheduler.num_preemptions == 1 and scheduler.pool.num_free_blocks == 0
+
+
+def test_a_victim_scheduled_earlier_in_the_step_gives_its_tokens_back():
+    """`v` (admitted last) has its decode planned when `a` finds no free block: `v` is preempted and its
+    token goes back to the budget, which the prefill after `a` then takes."""
+    scheduler, seqs = scheduler_with(3, 6, ("v", 6, 5, 2), ("a", 9, 8, 0), ("p", 8, 6, 1))
+    assert planned(scheduler.schedule()) == [("a", 1), ("p", 2)]
+    assert list(scheduler.waiting) == [seqs["v"]]
+
+
+def test_a_sequence_that_preempts_itself_lets_the_rest_run_but_admits_nothing():
+    """`v` needs a second block, none is free, and it is the newest: it gives its own block back. The
+    prefill after it runs; the freed block and the budget left are not used to admit `v` again in the
+    step that preempted (vLLM's rule), and every preemption counts."""
+    scheduler, seqs = scheduler_with(4, 3, ("v", 5, 4, 1), ("x", 8, 5, 0))
+    assert planned(scheduler.schedule()) == [("x", 3)]
+    assert list(scheduler.waiting) == [seqs["v"]] and scheduler.pool.num_free_blocks == 1
+    scheduler.preempt(seqs["x"])
+    assert scheduler.num_preemptions == 2 and list(scheduler.waiting) == [seqs["x"], seqs["v"]]
+    assert scheduler.pool.num_free_blocks == 3
+
+
+
+def test_a_suspended_request_can_be_aborted(model):
+    """Suspended (out of the waiting queue, status waiting), a request is still aborted cleanly: its
+    output says so and the pool is whole (the server aborts a suspended request whose step failed)."""
+    engine = Engine(model, block_size=4, num_blocks=16)
+    engine.add_request("held", [1, 2, 3, 4, 5], SamplingParams(max_tokens=8, **KEEP_GOING))
+    engine.add_request("other", [6, 7, 8], SamplingParams(max_tokens=8, **KEEP_GOING))
+    engine.step()
+    engine.suspend_request("held")
+    assert progress(engine)[("held", 0)][:3] == ("waiting", 0, 1)
+    engine.abort_request("held")
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["held"].finished and outs["held"].outputs[0].finish_reason == "abort"
+    assert not outs["other"].finished and set(progress(engine)) == {("other", 0)}
+    engine.abort_request("other")
+    assert engine.block_pool.num_used_blocks == 0

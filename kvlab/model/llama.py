@@ -81,23 +81,11 @@ def validate_ids(ids: Any, vocab_size: int) -> np.ndarray:
         raise InputError(f"ids is empty (shape {array.shape}): every forward needs at least one token")
     if array.dtype.kind not in "iu":
         raise InputError(f"ids must be integers, got dtype {array.dtype}")
-    outside = out_of_vocab(array, vocab_size)
+    outside = validate.out_of_vocab(array, vocab_size)
     if outside is not None:
         bad, where = outside
         raise InputError(f"token id {bad} at {where} is outside the vocabulary [0, {vocab_size})")
     return array.astype(np.int64, copy=False)
-
-
-def out_of_vocab(array: np.ndarray, vocab_size: int) -> tuple[int, tuple[int, ...]] | None:
-    """The first token id outside [0, vocab_size) (the lowest if any is negative, else the highest) and its
-    index, or None: the one range check behind the model's and the server's refusals."""
-    if array.size == 0:
-        return None
-    low, high = int(array.min()), int(array.max())
-    if low >= 0 and high < vocab_size:
-        return None
-    bad = low if low < 0 else high
-    return bad, tuple(int(i) for i in np.argwhere(array == bad)[0])
 
 
 class LlamaModel:

@@ -16,15 +16,14 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvlab import validate
 from kvlab.errors import ContextLengthError, KVLabError
-from kvlab.model.llama import out_of_vocab
 from kvlab.prefix.block_hash import root_key
 from kvlab.serve.guard import RequestGuard
 from kvlab.serve.limits import DEFAULT_MAX_REQUEST_BYTES
@@ -71,10 +70,7 @@ class ServerState:
                        "model_not_found")
 
     def check_ids(self, ids: list[int], param: str) -> None:
-        try:
-            outside = out_of_vocab(np.asarray(ids, dtype=np.int64), self.vocab_size)
-        except OverflowError:   # JSON ints are unbounded; one past int64 is outside any vocabulary
-            outside = (max(ids, key=abs), ())
+        outside = validate.out_of_vocab(ids, self.vocab_size)
         if outside is not None:
             raise bad_request(f"token id {outside[0]} is outside the vocabulary (0..{self.vocab_size - 1})", param)
 

@@ -19,6 +19,8 @@ import math
 import re
 from typing import Any, Iterable
 
+import numpy as np
+
 from kvlab.errors import InputError, KVLabError
 
 RANDOM_SEED = -1  # llama.cpp's `--seed -1`: draw a fresh seed
@@ -122,11 +124,35 @@ def token_ids(value: Any, name: str, vocab_size: int | None = None, *, allow_sin
             ids.append(int(item))
     if not ids and not allow_empty:
         raise InputError(f"{name} is empty")
-    for i, token in enumerate(ids):
-        if token < 0 or (vocab_size is not None and token >= vocab_size):
-            bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-            raise InputError(f"{name}[{i}] = {token} is outside the vocabulary {bound}")
+    outside = out_of_vocab(ids, vocab_size)
+    if outside is not None:
+        token, (i,) = outside
+        bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+        raise InputError(f"{name}[{i}] = {token} is outside the vocabulary {bound}")
     return ids
+
+
+def out_of_vocab(ids: Any, vocab_size: int | None) -> tuple[int, tuple[int, ...]] | None:
+    """The first token id (in row-major order) outside [0, vocab_size) (below 0 when vocab_size is None)
+    and its index, or None: the one range check behind the model's, the engine's, the sessions' and the
+    server's refusals, each of which words its own message."""
+    if isinstance(ids, np.ndarray) and ids.dtype.kind in "iu":
+        array = ids
+    else:
+        try:
+            array = np.asarray(ids, dtype=np.int64)
+        except OverflowError:   # a Python int past int64 (JSON ints are unbounded) is outside any vocabulary
+            for i, token in enumerate(ids):
+                if token < 0 or (vocab_size is not None and token >= vocab_size):
+                    return int(token), (i,)
+            return None
+    if array.size == 0:
+        return None
+    bad = array < 0 if vocab_size is None else (array < 0) | (array >= vocab_size)
+    if not bad.any():
+        return None
+    where = np.unravel_index(int(np.argmax(bad)), array.shape)
+    return int(array[where]), tuple(int(i) for i in where)
 
 
 def text(value: Any, name: str = "text") -> str:
