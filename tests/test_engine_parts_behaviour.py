@@ -441,3 +441,40 @@ def test_a_suspended_request_can_be_aborted(model):
     assert not outs["other"].finished and set(progress(engine)) == {("other", 0)}
     engine.abort_request("other")
     assert engine.block_pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("policy, need", [("window:64", 5), ("sinks:4:60", 6), ("shift:4:64", 6),
+                                          ("sinks:20:44", 7)])
+def test_a_policy_needs_its_budget_one_block_and_its_sink_blocks_in_the_pool(model, policy, need):
+    """A policy's sequence holds at most ceil(budget / 16) + 1 blocks of its tail plus ceil(sinks / 16)
+    private sink blocks (a shift's n_keep counts as sinks): that many blocks pass, one fewer is refused."""
+    assert EngineConfig.create(model, kv_policy=policy, block_size=16, num_blocks=need).num_blocks == need
+    with pytest.raises(ConfigError, match=rf"holds up to {need} blocks of 16 tokens at once but the pool has "
+                                          rf"{need - 1}"):
+        EngineConfig.create(model, kv_policy=policy, block_size=16, num_blocks=need - 1)
+
+
+def test_a_request_that_ends_inside_a_character_flushes_its_text(model):
+    """Byte tokens: three sampled bytes end on the lead byte of a two-byte UTF-8 character. The incremental
+    detokenizer holds that byte back while more may follow; when the request finishes it is flushed (as
+    the replacement character), so the text equals decoding the ids at once."""
+    tokenizer = ByteTokenizer()
+    engine = Engine(model, tokenizer, block_size=4, num_blocks=64)
+    outs = engine.generate([[1, 2, 3], [200, 201]], SamplingParams(max_tokens=3, temperature=1.0, seed=3,
+                                                                   **KEEP_GOING))
+    for out in outs:
+        [sample] = out.outputs
+        assert sample.text == tokenizer.decode(sample.token_ids) and sample.text.endswith("\ufffd")
+
+
+def test_a_preempted_sequence_shows_in_the_cache_state_of_an_engine_with_a_tier(model, tmp_path):
+    """With a K/V tier the explorer's state counts each sequence's tier tokens from its block keys; a
+    preempted sequence holds no blocks and no keys, and is listed as waiting with none."""
+    engine = Engine(model, block_size=2, num_blocks=4, max_num_seqs=2, kv_tiers=[f"file://{tmp_path}"])
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3, **KEEP_GOING))
+    engine.add_request("b", [7, 8, 9], SamplingParams(max_tokens=10, **KEEP_GOING))
+    for _ in range(3):   # the third step preempts b (as in the test above)
+        engine.step()
+    [b] = [r for r in engine.cache_state()["requests"] if r["request_id"] == "b"]
+    assert (b["status"], b["block_table"], b["num_tier_tokens"]) == ("waiting", [], 0)
+    assert engine.stats()["num_preemptions"] == 1

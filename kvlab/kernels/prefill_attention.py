@@ -81,10 +81,11 @@ def _dot(a, b, n, zero):
     return s
 
 
-@njit(fastmath=FASTMATH, inline="always", cache=True)
+@njit(fastmath=FASTMATH, cache=True)
 def _products(a, b, offset, out, zero):
     """out[r, t] = a[r] . b[t, offset:offset + n] for a [R, n], b [T, >= offset + n] (C-contiguous rows,
-    so the loops vectorise): blocks of four rows of a by two of b."""
+    so the loops vectorise): blocks of four rows of a by two of b. Called, not inlined: the scores and
+    the values products share one compile (inlined twice, they doubled _prefill's cold compile)."""
     rows, cols, n = a.shape[0], out.shape[1], a.shape[1]
     for r in range(0, rows - rows % 4, 4):
         a0, a1, a2, a3 = a[r], a[r + 1], a[r + 2], a[r + 3]
