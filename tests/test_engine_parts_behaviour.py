@@ -478,3 +478,24 @@ def test_a_preempted_sequence_shows_in_the_cache_state_of_an_engine_with_a_tier(
     [b] = [r for r in engine.cache_state()["requests"] if r["request_id"] == "b"]
     assert (b["status"], b["block_table"], b["num_tier_tokens"]) == ("waiting", [], 0)
     assert engine.stats()["num_preemptions"] == 1
+
+
+def test_a_stop_string_twice_in_one_token_cuts_the_text_at_the_first():
+    """The shipped tokenizer's ' possess' holds the stop string 'ss' twice: the text ends before the first."""
+    import kvlab
+    from kvlab.engine.request import Request, Status
+    from kvlab.engine.scheduler import Scheduler
+
+    _, tokenizer = kvlab.load()
+    [token] = tokenizer.encode(" possess", add_bos=False)
+    prompt = tokenizer.encode("ROMEO: I")
+    pool = BlockPool(1, 1, 2, np.float64, 4, 8)
+    scheduler = Scheduler(pool, PrefixCache(pool), max_num_seqs=1, max_num_batched_tokens=16)
+    seq = Request("r", prompt, SamplingParams(max_tokens=5, stop=["ss"]), ROOT, 5).seqs[0]
+    seq.num_computed_tokens, seq.block_table = len(prompt), pool.allocate(pool.blocks_for(len(prompt)))
+    seq.status, seq.decoder = Status.RUNNING, tokenizer.stream_decoder(prompt)
+    scheduler.running.append(seq)
+    logits = np.zeros((1, tokenizer.vocab_size))
+    logits[0, token] = 1.0   # greedy picks ' possess'
+    scheduler.postprocess([seq], logits)
+    assert (seq.finish_reason, seq.completion().text, seq.output_token_ids) == ("stop", " po", [token])
