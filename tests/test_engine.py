@@ -423,3 +423,15 @@ def test_low_precision_pool_runs_close_to_exact():
             first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
             token = a.outputs[0].token_ids[0]
             assert token in first_b and abs(first_a[token] - first_b[token]) < 0.05  # a measured, bounded error
+
+
+def test_a_hit_covers_every_full_block_before_the_last_token(model):
+    """A prompt one token past a cached block boundary hits all of its full blocks: only the last token
+    is recomputed (12 + 1 tokens over blocks of 4: 12 cached)."""
+    engine = Engine(model, block_size=4)
+    prompt = list(range(12))
+    engine.generate([prompt + [40, 41]], SamplingParams(max_tokens=1, **GREEDY))
+    [one_more] = engine.generate([prompt + [40]], SamplingParams(max_tokens=2, **GREEDY))
+    assert one_more.num_cached_tokens == 12
+    assert one_more.outputs[0].token_ids == reference(model, prompt + [40], 2)
+

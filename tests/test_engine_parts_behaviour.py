@@ -382,7 +382,7 @@ def scheduler_with(budget: int, num_blocks: int, *seqs: tuple[str, int, int, int
         seq.status, seq.admitted_at = Status.RUNNING, admitted_at
         scheduler.running.append(seq)
         named[name] = seq
-    scheduler._admissions = 1 + max(s.admitted_at for s in named.values())
+    scheduler._admissions = 1 + max((s.admitted_at for s in named.values()), default=-1)
     return scheduler, named
 
 
@@ -499,3 +499,17 @@ def test_a_stop_string_twice_in_one_token_cuts_the_text_at_the_first():
     logits[0, token] = 1.0   # greedy picks ' possess'
     scheduler.postprocess([seq], logits)
     assert (seq.finish_reason, seq.completion().text, seq.output_token_ids) == ("stop", " po", [token])
+
+
+def test_a_waiting_sequence_too_long_for_the_pool_does_not_hold_up_the_queue():
+    """The scheduler alone (the engine refuses such prompts at add_request): a waiting sequence that can
+    never fit is removed to finish, and the one behind it is admitted in the same step."""
+    from kvlab.engine.request import Request
+
+    scheduler, _ = scheduler_with(16, 3)
+    huge = Request("huge", list(range(1, 21)), SamplingParams(max_tokens=5), ROOT, 5).seqs[0]
+    small = Request("small", list(range(1, 6)), SamplingParams(max_tokens=5), ROOT, 5).seqs[0]
+    scheduler.add(huge)
+    scheduler.add(small)
+    out = scheduler.schedule()
+    assert out.too_long == [huge] and planned(out) == [("small", 5)]

@@ -45,7 +45,7 @@ def stored_as(x: np.ndarray, name: str) -> tuple[object, np.ndarray]:
 
 @settings(max_examples=40)
 @given(batch=st.integers(1, 3), kv_heads=st.integers(1, 3), group=st.sampled_from([1, 2, 4, 8]),
-       head_dim=st.sampled_from([8, 64, 128]), cache=st.sampled_from(FLOATS + CODES), data=st.data(),
+       head_dim=st.sampled_from([8, 32, 64, 96, 128]), cache=st.sampled_from(FLOATS + CODES), data=st.data(),
        parallel=st.booleans(), seed=st.integers(0, 2**16))
 def test_contiguous_decode_reads_every_format_in_place(batch, kv_heads, group, head_dim, cache, data, parallel,
                                                        seed):

@@ -187,3 +187,44 @@ def test_a_disabled_cache_leaves_the_pool_without_an_evictor():
     table = pool.allocate(2)
     pool.release(table)
     assert pool.evictor is None and pool.num_evictable_blocks == 0 and pool.num_free_blocks == 8
+
+
+def test_hit_statistics_add_up_over_admissions():
+    pool, cache = make_cache()
+    cache.record(8, 4)
+    cache.record(6, 2)
+    assert (cache.queries, cache.hits) == (14, 6)
+
+
+def test_acquiring_a_free_block_is_refused_with_a_cache_too():
+    """A free block (never cached) is not revived: sharing it is an error, and nothing changes."""
+    import pytest
+
+    from kvlab.errors import InputError
+
+    pool, cache = make_cache(num_blocks=4)
+    table, _ = compute(pool, cache, [1, 2, 3, 4])
+    free = [b for b in range(4) if b not in table]
+    with pytest.raises(InputError, match=f"block {free[0]} is free"):
+        pool.acquire([free[0]])
+    assert pool.ref_counts[free[0]] == 0 and pool.num_free_blocks == 3
+    assert not cache.revive(free[0]) and not cache.revive(table[0])  # in use: not evictable either
+
+
+def test_invariant_checks_name_what_broke():
+    import pytest
+
+    pool, cache = make_cache(num_blocks=4)
+    table, _ = compute(pool, cache, [1, 2, 3, 4])
+    pool.release(table)
+    cache.check_invariants(set())
+    cache._evictable[3] = None  # an evictable block the registry does not know
+    with pytest.raises(AssertionError, match="^an evictable block is not cached$"):
+        cache.check_invariants(set())
+    del cache._evictable[3]
+    pool.ref_counts[table[0]] = 1  # evictable yet referenced
+    with pytest.raises(AssertionError, match="^an evictable block is referenced$"):
+        cache.check_invariants(set())
+    pool.ref_counts[table[0]] = 0
+    with pytest.raises(AssertionError, match="^a free block is still registered$"):
+        cache.check_invariants({table[0]})

@@ -168,3 +168,37 @@ def test_memory_reports_the_resident_weight_bytes_of_a_gguf(tmp_path, types):
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["weight_bytes_stored"] == sum(w.nbytes for w in kept.values())
+
+
+@pytest.mark.skipif(not AVAILABLE, reason="numba is not installed")
+def test_decode_rows_take_the_fused_kernels_and_prefill_rows_the_bands(tmp_path):
+    """Which path runs, counted: a layer of all-quantized matrices takes the fused block kernels for up to
+    `max_fused_rows` rows (decode, the engine's batched decode) and the dequantized bands + BLAS above;
+    a layer with an F16 matrix among Q8_0 ones never takes them. Both give the reference's logits (the
+    test above), so only a count tells a wrong boundary from a right one."""
+    import kvlab
+    from kvlab.model.ops import QuantizedOps, make_ops
+
+    class Counting:
+        def __init__(self, module):
+            self.module, self.calls = module, {"qkv_rope": 0, "output_mlp": 0}
+
+        def __getattr__(self, name):
+            def call(*args):
+                self.calls[name] += 1
+                return getattr(self.module, name)(*args)
+            return call
+
+    for types, fused in ((("Q8_0",), True), (("F16", "Q8_0"), False)):
+        path, _ = small_gguf(tmp_path, types)
+        model, _ = kvlab.load(path, weights_dtype="stored", backend="numba")
+        ops = model.ops
+        assert type(ops) is QuantizedOps
+        counting = ops._qfused = Counting(ops._qfused)
+        layers = model.config.num_hidden_layers
+        for rows, expected in ((1, layers), (ops.max_fused_rows, layers), (ops.max_fused_rows + 1, 0)):
+            counting.calls = {"qkv_rope": 0, "output_mlp": 0}
+            model.forward(np.arange(rows)[None] % 50)
+            want = expected if fused else 0
+            assert counting.calls == {"qkv_rope": want, "output_mlp": want}, (types, rows)
+    assert type(make_ops("numba", model.config, np.dtype(np.float32))) is not QuantizedOps  # float weights
