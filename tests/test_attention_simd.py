@@ -16,7 +16,7 @@ if AVAILABLE:
     from numba import njit
 
     from kvlab.kernels import attention
-    from kvlab.kernels.attention_simd import dequantize_int8, simd_scores, simd_values
+    from kvlab.kernels.attention_simd import dequantize_int8, simd_scores, simd_values, widen_run
 
     @njit
     def scores_call(q, first, out, rows, b, h, r0, n):
@@ -29,6 +29,10 @@ if AVAILABLE:
     @njit
     def dequantize_call(codes, scales, zeros, group, out):
         dequantize_int8(codes, scales, zeros, group, out, out.dtype.type(0))
+
+    @njit
+    def widen_call(src, out):
+        widen_run(src, out, out.dtype.type(0))
 
 
 @settings(max_examples=60, deadline=None)
@@ -94,3 +98,23 @@ def test_the_float32_path_is_the_vector_code():
     signature = next(sig for sig in scores_call.signatures if str(sig[0].dtype) == "float32")
     lines = scores_call.inspect_asm(signature).splitlines()
     assert sum(1 for line in lines if re.search(r"vfmadd\d+ps", line) and "ymm" in line) >= 200
+
+
+@settings(max_examples=30, deadline=None)
+@given(kind=st.sampled_from(["bfloat16", "float16"]), length=st.integers(1, 80), seed=st.integers(0, 2**16))
+def test_half_runs_widen_exactly(kind, length, seed):
+    """Every value of a flat run of float16/bfloat16 bits (subnormals, zeros of both signs, extremes
+    included) comes out as its exact float32, vector code or loop (lengths not a multiple of 8)."""
+    import ml_dtypes
+
+    from kvlab.kernels.bits import as_kernel_array
+
+    dtype = np.dtype(ml_dtypes.bfloat16) if kind == "bfloat16" else np.dtype(np.float16)
+    bits = np.random.default_rng(seed).integers(0, 2**16, length).astype(np.uint16)
+    bits[:4] = [0x0000, 0x8000, 0x0001, 0x7BFF if kind == "float16" else 0x7F7F][:min(4, length)]
+    values = bits.view(dtype)
+    finite = np.isfinite(values.astype(np.float32))
+    values = np.where(finite, values, dtype.type(1.5))  # the caches hold finite values
+    out = np.full(length, np.nan, np.float32)
+    widen_call(as_kernel_array(values), out)
+    assert np.array_equal(out, values.astype(np.float32))

@@ -1,17 +1,18 @@
 """Decode attention that reads the K/V cache where it lies: paged blocks or contiguous rows, float or codes.
 
 One new query per sequence attends to its cached keys and values. The cache may hold float32, float16 or
-bfloat16 rows (widened in registers as they are read, bits.py), or int8 / int4 / fp8 codes with their
-float16 scales (attention_formats.StoredCodes), read in place too: an int8 row is a quarter of float32's
-bytes, and reading fewer bytes is the point of a quantized cache. Nothing is dequantized into a copy.
+bfloat16 rows, or int8 / int4 / fp8 codes with their float16 scales (attention_formats.StoredCodes), read
+where they lie: an int8 row is a quarter of float32's bytes, and reading fewer bytes is the point of a
+quantized cache. No copy of the cache is made; a tile of TILE rows at a time is widened (bits.py) or
+dequantized into a scratch tile of the compute dtype that stays in L1, shared by the G query heads.
 
 GQA stays compact (DESIGN invariant 3): the G query heads of a KV head are one work item, so each key and
 value row is read once for the whole group. A work item walks its keys a TILE at a time: the G x TILE
 scores of a tile (one pass over its keys), an online-softmax update (rescale what was summed so far to
-the new running max, as flash attention does), then one pass over the tile's values. With int codes the
-scales are applied per row and group as stored: a key's score is sum_j scale_j (q_j . c_j) + zero_j
-sum(q_j), so the dot products run over the codes themselves, and a value row adds p scale_j c_j to the
-output, with p zero_j summed apart per group and added once at the end.
+the new running max, as flash attention does), then one pass over the tile's values. For float32 tiles
+of head dim 32/64/128 the two products are explicit vector code (attention_simd.py: eight keys' scores
+in one register, the output row held in registers across the tile); other dims and float64 take the
+numba loops below (`_tile_scores`, `_tile_values`), which are the same sums in another order.
 
 Both layouts are one kernel. The paged cache is `k_blocks[num_blocks, H_kv, block_size, d]` with a
 `block_table` per sequence (key t of sequence s is row t % block_size of block block_table[s, t //
@@ -31,7 +32,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from kvlab.kernels.attention_simd import dequantize_int8, simd_scores, simd_values
+from kvlab.kernels.attention_simd import dequantize_int8, simd_scores, simd_values, widen_run
 from kvlab.kernels.attention_formats import FLOAT, FP8_E4M3, FP8_E5M2, INT4, INT8, StoredCodes
 from kvlab.kernels.bits import as_kernel_array, widen
 from kvlab.kernels.compile_names import renamed
@@ -157,9 +158,7 @@ def _tile_widened(stored, scale, zero_point, kind, group, b, h, r0, n, tile, zer
     """The n rows are contiguous within their block: widen them as one flat run (one vectorised loop
     instead of a short loop per row)."""
     d = tile.shape[3]
-    src, dst = stored[b, h].ravel()[r0 * d:(r0 + n) * d], tile[0, 0].ravel()
-    for i in range(n * d):
-        dst[i] = zero + widen(src[i])
+    widen_run(stored[b, h].ravel()[r0 * d:(r0 + n) * d], tile[0, 0].ravel()[:n * d], zero)
     return tile, 0, 0, 0
 
 

@@ -3,8 +3,8 @@
 A decode step's attention is, per KV head, G query rows against every cached key (scores) and the
 softmax weights against every value row (the weighted sum). Written as numba loops over the head dim,
 LLVM vectorises each 64-long dot product on its own and ends it with a horizontal sum of its eight lanes
-(five instructions, then a scalar store): about 70 instructions a key row for G = 3, and the kernel ran
-at ~40 ns a key row with the rows in cache, as slow as DRAM streams them (tests: bench_decode_attention).
+plus the loop's set-up: about 70 instructions a key row for G = 3, ~35 ns a key row with the rows in
+cache (one thread, SmolLM2-135M's shape), so the kernel could not keep up with DRAM's stream.
 
 Here the loops are explicit vectors, as qsimd.py does for the quantized products:
 
@@ -273,4 +273,61 @@ def _dequantize_int8(codes, scale_bits, zero_bits, group, out, zero):
             _dequantize_int8_f32(codes, scale_bits, zero_bits, group, out)
         else:
             _dequantize_int8_loop(codes, scale_bits, zero_bits, group, out, zero)
+    return vector
+
+
+@intrinsic
+def _widen_half_f32(typingctx, src, out):
+    """out[i] = float32 of src[i] for a flat run of half-precision bits (uint16: bfloat16, shifted up 16;
+    int16: float16, moved and scaled as bits.widen), eight at a time; len(out) a multiple of 8."""
+    if src.dtype not in (types.uint16, types.int16) or out.dtype != types.float32:
+        return None
+    brain = src.dtype == types.uint16
+
+    def codegen(context, builder, signature, args):
+        intp = context.get_value_type(types.intp)
+        sa, oa = (cgutils.create_struct_proxy(signature.args[i])(context, builder, value=args[i]) for i in (0, 1))
+        count = builder.udiv(cgutils.unpack_tuple(builder, oa.shape)[0], ir.Constant(intp, LANES))
+        v8i16, v8i32 = ir.VectorType(ir.IntType(16), LANES), ir.VectorType(_I32, LANES)
+
+        def splat(value: int) -> ir.Constant:
+            return ir.Constant(v8i32, [value] * LANES)
+
+        with cgutils.for_range(builder, count) as loop:
+            at = builder.mul(loop.index, ir.Constant(intp, LANES))
+            wide = builder.zext(_load(builder, sa.data, at, v8i16), v8i32)
+            if brain:
+                x = builder.bitcast(builder.shl(wide, splat(16)), _V8F)
+            else:
+                moved = builder.or_(builder.shl(builder.and_(wide, splat(0x7FFF)), splat(13)),
+                                    builder.shl(builder.and_(wide, splat(0x8000)), splat(16)))
+                x = builder.fmul(builder.bitcast(moved, _V8F), ir.Constant(_V8F, [_F16_SCALE] * LANES))
+            builder.store(x, builder.bitcast(builder.gep(oa.data, [at]), _V8F.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return types.void(src, out), codegen
+
+
+def widen_run(src, out, zero):  # pragma: no cover - overloaded
+    """out[i] = zero + widen(src[i]) over a flat run (bits.widen): vector code for half-precision bits
+    into float32 when the run is a multiple of 8 long, else the loop."""
+    raise NotImplementedError
+
+
+@njit(inline="always")
+def _widen_loop(src, out, zero):
+    for i in range(out.shape[0]):
+        out[i] = zero + widen(src[i])
+
+
+@overload(widen_run, inline="always")
+def _widen_run(src, out, zero):
+    if not (_is_f32(out) and isinstance(src, types.Array) and src.dtype in (types.uint16, types.int16)):
+        return lambda src, out, zero: _widen_loop(src, out, zero)
+
+    def vector(src, out, zero):
+        if out.shape[0] % LANES == 0:
+            _widen_half_f32(src, out)
+        else:
+            _widen_loop(src, out, zero)
     return vector

@@ -114,8 +114,9 @@ def token_ids(value: Any, name: str, vocab_size: int | None = None, *, allow_sin
         value = [value]
     if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable) or is_real(value):
         raise InputError(f"{name} must be a list of token ids (ints), got {type(value).__name__} {value!r}")
+    checked = None  # what the range check reads: the NumPy array itself when one came in
     if getattr(value, "ndim", None) == 1 and getattr(value.dtype, "kind", "") in ("i", "u"):
-        ids = value.tolist()  # a NumPy int array: its items need no type check
+        ids, checked = value.tolist(), value  # a NumPy int array: its items need no type check
     else:
         ids = []
         for i, item in enumerate(value):
@@ -124,7 +125,7 @@ def token_ids(value: Any, name: str, vocab_size: int | None = None, *, allow_sin
             ids.append(int(item))
     if not ids and not allow_empty:
         raise InputError(f"{name} is empty")
-    outside = out_of_vocab(ids, vocab_size)
+    outside = out_of_vocab(ids if checked is None else checked, vocab_size)
     if outside is not None:
         token, (i,) = outside
         bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
