@@ -16,7 +16,7 @@ if AVAILABLE:
     from numba import njit
 
     from kvlab.kernels import attention
-    from kvlab.kernels.attention_simd import dequantize_int8, simd_scores, simd_values, widen_run
+    from kvlab.kernels.attention_simd import dequantize_int4, dequantize_int8, simd_scores, simd_values, widen_run
 
     @njit
     def scores_call(q, first, out, rows, b, h, r0, n):
@@ -29,6 +29,10 @@ if AVAILABLE:
     @njit
     def dequantize_call(codes, scales, zeros, group, out):
         dequantize_int8(codes, scales, zeros, group, out, out.dtype.type(0))
+
+    @njit
+    def dequantize4_call(codes, scales, zeros, group, out):
+        dequantize_int4(codes, scales, zeros, group, out, out.dtype.type(0))
 
     @njit
     def widen_call(src, out):
@@ -64,19 +68,22 @@ def test_tile_scores_and_values_equal_numpy(head_dim, heads, n, kv_heads, dtype,
     assert np.abs(acc - want).max() <= tol * n
 
 
-@settings(max_examples=40, deadline=None)
-@given(group=st.sampled_from([8, 16, 32, 64, 6]), groups=st.integers(1, 12),
+@settings(max_examples=60, deadline=None)
+@given(bits=st.sampled_from([8, 4]), group=st.sampled_from([8, 16, 32, 64, 6]), groups=st.integers(1, 12),
        dtype=st.sampled_from(["float32", "float64"]), seed=st.integers(0, 2**16))
-def test_int8_run_dequantizes_as_numpy(group, groups, dtype, seed):
+def test_int_runs_dequantize_as_numpy(bits, group, groups, dtype, seed):
     """zero_j + code * scale_j with each group's float16 scale and zero (bits as int16), extreme scales
-    included; groups not a multiple of 8 take the loop."""
+    included; int4 codes two a byte, low nibble first. Groups not a multiple of 8 (16 for int4) take the
+    loop."""
     rng = np.random.default_rng(seed)
-    codes = rng.integers(0, 256, group * groups).astype(np.uint8)
+    values = rng.integers(0, 2**bits, group * groups).astype(np.uint8)
+    codes = values if bits == 8 else (values[0::2] | (values[1::2] << 4)).astype(np.uint8)
     scales = (rng.choice([1e-7, 1e-3, 1.0, 300.0], groups) * rng.random(groups)).astype(np.float16)
     zeros = (rng.standard_normal(groups) * 50).astype(np.float16)
     out = np.empty(group * groups, dtype=dtype)
-    dequantize_call(codes, scales.view(np.int16), zeros.view(np.int16), group, out)
-    want = (np.repeat(zeros.astype(np.float32), group) + codes.astype(np.float32)
+    (dequantize_call if bits == 8 else dequantize4_call)(codes, scales.view(np.int16), zeros.view(np.int16),
+                                                          group, out)
+    want = (np.repeat(zeros.astype(np.float32), group) + values.astype(np.float32)
             * np.repeat(scales.astype(np.float32), group))
     assert np.abs(out - want).max() <= 1e-6 * (np.abs(want).max() + 1)
 

@@ -32,7 +32,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from kvlab.kernels.attention_simd import dequantize_int8, simd_scores, simd_values, widen_run
+from kvlab.kernels.attention_simd import dequantize_int4, dequantize_int8, simd_scores, simd_values, widen_run
 from kvlab.kernels.attention_formats import FLOAT, FP8_E4M3, FP8_E5M2, INT4, INT8, StoredCodes
 from kvlab.kernels.bits import as_kernel_array, widen
 from kvlab.kernels.compile_names import renamed
@@ -164,31 +164,26 @@ def _tile_widened(stored, scale, zero_point, kind, group, b, h, r0, n, tile, zer
 
 def _tile_decoded(stored, scale, zero_point, kind, group, b, h, r0, n, tile, zero):
     """x = zero_j + code * scale_j per group j (the float16 pair as stored), or an fp8 code's value. The
-    n rows and their scales are contiguous within the block, so they run as one flat sequence (views of
-    [b, h], never a copy: numba's ravel of a sliced array copies)."""
+    n rows and their scales are contiguous within the block, so they run as one flat sequence: slices of
+    the [b, h] views, indexed from 0 (an index with an offset added kept LLVM from vectorising)."""
     d = tile.shape[3]
     dst, src = tile[0, 0].ravel(), stored[b, h].ravel()
     if kind == INT8 or kind == INT4:
-        groups, g0 = n * d // group, r0 * (d // group)
+        groups, g0, per_byte = n * d // group, r0 * (d // group), 1 if kind == INT8 else 2
         s_run, z_run = scale[b, h].ravel()[g0:g0 + groups], zero_point[b, h].ravel()[g0:g0 + groups]
+        run = src[r0 * d // per_byte:(r0 + n) * d // per_byte]
         if kind == INT8:
-            dequantize_int8(src[r0 * d:(r0 + n) * d], s_run, z_run, group, dst, zero)
-            return tile, 0, 0, 0
-        for j in range(groups):
-            s, z, base = zero + widen(s_run[j]), zero + widen(z_run[j]), j * group
-            codes = src[(g0 + j) * (group // 2):(g0 + j + 1) * (group // 2)]
-            for i in range(group // 2):
-                c = codes[i]
-                dst[base + 2 * i] = z + np.float32(c & 15) * s  # float32: no int64 -> float64
-                dst[base + 2 * i + 1] = z + np.float32(c >> 4) * s
-    else:
-        src = src[r0 * d:(r0 + n) * d]
-        if kind == FP8_E4M3:
-            for i in range(n * d):
-                dst[i] = zero + _e4m3(src[i])
+            dequantize_int8(run, s_run, z_run, group, dst, zero)
         else:
-            for i in range(n * d):
-                dst[i] = zero + _e5m2(src[i])
+            dequantize_int4(run, s_run, z_run, group, dst, zero)
+        return tile, 0, 0, 0
+    src = src[r0 * d:(r0 + n) * d]
+    if kind == FP8_E4M3:
+        for i in range(n * d):
+            dst[i] = zero + _e4m3(src[i])
+    else:
+        for i in range(n * d):
+            dst[i] = zero + _e5m2(src[i])
     return tile, 0, 0, 0
 
 

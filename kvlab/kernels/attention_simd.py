@@ -25,6 +25,7 @@ numba loops): tests/test_kernels.py holds the kernel to the NumPy twin.
 from __future__ import annotations
 
 from llvmlite import ir
+import numpy as np
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
@@ -215,37 +216,57 @@ def _widen_f16(builder: ir.IRBuilder, bits: ir.Value) -> ir.Value:
     return builder.fmul(builder.bitcast(moved, _F32), ir.Constant(_F32, _F16_SCALE))
 
 
-@intrinsic
-def _dequantize_int8_f32(typingctx, codes, scale_bits, zero_bits, group, out):
-    """out[i] = zero_j + codes[i] * scale_j, j = i // group, over a flat 1-D run of int8-cache rows: codes
-    uint8, one float16 scale and zero (as int16 bits) per `group` codes (a multiple of 8), as many groups
-    as scales. Eight codes are widened, converted and scaled per instruction group."""
-    if codes.dtype != types.uint8 or scale_bits.dtype != types.int16 or out.dtype != types.float32:
-        return None
+def _make_dequantize(nibbles: bool):
+    @intrinsic
+    def dequantize(typingctx, codes, scale_bits, zero_bits, group, out):
+        """out[i] = zero_j + code_i * scale_j, j = i // group, over a flat 1-D run of int-cache rows: codes
+        uint8 (one a byte, or for int4 two: value 2i in byte i's low nibble, 2i + 1 in its high), one
+        float16 scale and zero (as int16 bits) per `group` values (a multiple of 8, of 16 for nibbles), as
+        many groups as scales. Eight codes are widened, converted and scaled per instruction group."""
+        if codes.dtype != types.uint8 or scale_bits.dtype != types.int16 or out.dtype != types.float32:
+            return None
 
-    def codegen(context, builder, signature, args):
-        intp = context.get_value_type(types.intp)
-        ca, sa, za, oa = (cgutils.create_struct_proxy(signature.args[i])(context, builder, value=args[i])
-                          for i in (0, 1, 2, 4))
-        group_v = _int(builder, args[3], intp)
-        groups = cgutils.unpack_tuple(builder, sa.shape)[0]
-        chunks = builder.udiv(group_v, ir.Constant(intp, LANES))
-        v8i8 = ir.VectorType(ir.IntType(8), LANES)
-        v8i32 = ir.VectorType(_I32, LANES)
-        codes0 = ca.data
-        with cgutils.for_range(builder, groups) as g_loop:
-            j = g_loop.index
-            s = _broadcast(builder, _widen_f16(builder, builder.load(builder.gep(sa.data, [j]))))
-            z = _broadcast(builder, _widen_f16(builder, builder.load(builder.gep(za.data, [j]))))
-            base = builder.mul(g_loop.index, group_v)
-            with cgutils.for_range(builder, chunks) as c_loop:
-                at = builder.add(base, builder.mul(c_loop.index, ir.Constant(intp, LANES)))
-                x = builder.uitofp(builder.zext(_load(builder, codes0, at, v8i8), v8i32), _V8F)
-                builder.store(_fma(builder, x, s, z), builder.bitcast(builder.gep(oa.data, [at]), _V8F.as_pointer()),
-                              align=1)
-        return context.get_dummy_value()
+        def codegen(context, builder, signature, args):
+            intp = context.get_value_type(types.intp)
+            ca, sa, za, oa = (cgutils.create_struct_proxy(signature.args[i])(context, builder, value=args[i])
+                              for i in (0, 1, 2, 4))
+            group_v = _int(builder, args[3], intp)
+            groups = cgutils.unpack_tuple(builder, sa.shape)[0]
+            per_load = 2 * LANES if nibbles else LANES  # values that one 8-byte load holds
+            chunks = builder.udiv(group_v, ir.Constant(intp, per_load))
+            v8i8, v8i32 = ir.VectorType(ir.IntType(8), LANES), ir.VectorType(_I32, LANES)
+            low_mask, shift = ir.Constant(v8i32, [15] * LANES), ir.Constant(v8i32, [4] * LANES)
+            mask = ir.VectorType(_I32, LANES)
 
-    return types.void(codes, scale_bits, zero_bits, group, out), codegen
+            def store(vector, at):
+                builder.store(vector, builder.bitcast(builder.gep(oa.data, [at]), _V8F.as_pointer()), align=1)
+
+            with cgutils.for_range(builder, groups) as g_loop:
+                j = g_loop.index
+                s = _broadcast(builder, _widen_f16(builder, builder.load(builder.gep(sa.data, [j]))))
+                z = _broadcast(builder, _widen_f16(builder, builder.load(builder.gep(za.data, [j]))))
+                base = builder.mul(j, group_v)
+                with cgutils.for_range(builder, chunks) as c_loop:
+                    at = builder.add(base, builder.mul(c_loop.index, ir.Constant(intp, per_load)))
+                    byte = builder.udiv(at, ir.Constant(intp, 2)) if nibbles else at
+                    wide = builder.zext(_load(builder, ca.data, byte, v8i8), v8i32)
+                    if nibbles:  # values 2i and 2i + 1 from byte i's low and high nibble, interleaved back
+                        low = _fma(builder, builder.uitofp(builder.and_(wide, low_mask), _V8F), s, z)
+                        high = _fma(builder, builder.uitofp(builder.lshr(wide, shift), _V8F), s, z)
+                        store(builder.shuffle_vector(low, high, ir.Constant(mask, [0, 8, 1, 9, 2, 10, 3, 11])), at)
+                        store(builder.shuffle_vector(low, high, ir.Constant(mask, [4, 12, 5, 13, 6, 14, 7, 15])),
+                              builder.add(at, ir.Constant(intp, LANES)))
+                    else:
+                        store(_fma(builder, builder.uitofp(wide, _V8F), s, z), at)
+            return context.get_dummy_value()
+
+        return types.void(codes, scale_bits, zero_bits, group, out), codegen
+
+    return dequantize
+
+
+_dequantize_int8_f32 = _make_dequantize(nibbles=False)
+_dequantize_int4_f32 = _make_dequantize(nibbles=True)
 
 
 def dequantize_int8(codes, scale_bits, zero_bits, group, out, zero):  # pragma: no cover - overloaded
@@ -330,4 +351,35 @@ def _widen_run(src, out, zero):
             _widen_half_f32(src, out)
         else:
             _widen_loop(src, out, zero)
+    return vector
+
+
+def dequantize_int4(codes, scale_bits, zero_bits, group, out, zero):  # pragma: no cover - overloaded
+    """As dequantize_int8 for int4 codes, two a byte (low nibble first): the vector code for float32 out
+    and groups of a multiple of 16, else a loop."""
+    raise NotImplementedError
+
+
+@njit(inline="always")
+def _dequantize_int4_loop(codes, scale_bits, zero_bits, group, out, zero):
+    for j in range(scale_bits.shape[0]):
+        s, z, base = zero + widen(scale_bits[j]), zero + widen(zero_bits[j]), j * group
+        half = base // 2
+        for i in range(group // 2):
+            c = codes[half + i]
+            out[base + 2 * i] = z + np.float32(c & 15) * s  # float32: no int64 -> float64
+            out[base + 2 * i + 1] = z + np.float32(c >> 4) * s
+
+
+@overload(dequantize_int4, inline="always")
+def _dequantize_int4(codes, scale_bits, zero_bits, group, out, zero):
+    if not _is_f32(out):
+        return lambda codes, scale_bits, zero_bits, group, out, zero: _dequantize_int4_loop(
+            codes, scale_bits, zero_bits, group, out, zero)
+
+    def vector(codes, scale_bits, zero_bits, group, out, zero):
+        if group % (2 * LANES) == 0:
+            _dequantize_int4_f32(codes, scale_bits, zero_bits, group, out)
+        else:
+            _dequantize_int4_loop(codes, scale_bits, zero_bits, group, out, zero)
     return vector
