@@ -470,6 +470,10 @@ def test_api_key_guards_the_api_and_chat_needs_a_template(tmp_path):
 
 
 def test_full_waiting_queue_gets_429_and_shutdown_gets_503(tmp_path):
+    """On a real `kvlab serve` process: paused before anything runs (so no request can finish, however fast
+    the machine), one request fills the one waiting slot, the next gets 429 with Retry-After, and SIGTERM
+    answers the queued one 503 and exits cleanly. The running-and-streaming case of the same rules is
+    tests/test_serve_faults.py's (paused from inside the loop)."""
     proc = ServerProcess("--max-num-seqs", "1", "--max-waiting", "1", "--shutdown-timeout", "0",
                          "--enable-pause", log_dir=tmp_path)
     body = {"prompt": "Once more unto the breach", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
@@ -478,35 +482,20 @@ def test_full_waiting_queue_gets_429_and_shutdown_gets_503(tmp_path):
     def post(name: str) -> None:
         results[name] = httpx.post(f"{proc.url}/v1/completions", json=body, timeout=60)
 
-    def stream(name: str) -> None:
-        with httpx.stream("POST", f"{proc.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
-            results[name] = r
-            r.read()
-
     try:
-        running = threading.Thread(target=post, args=("running",))
-        running.start()
-        wait_for(lambda: any(r["status"] == "running" for r in proc.cache_state()["requests"]))
-        # paused, the running request cannot finish before the queue fills, however fast this machine is
         assert proc.post("/pause", {}).json() == {"paused": True}
         assert proc.get("/is_paused").json() == {"is_paused": True}
-        assert any(r["status"] == "running" for r in proc.cache_state()["requests"]), "finished before /pause"
-        waiting = threading.Thread(target=stream, args=("waiting",))
-        waiting.start()
-        wait_for(lambda: any(r["status"] == "waiting" for r in proc.cache_state()["requests"]))
+        queued = threading.Thread(target=post, args=("queued",))
+        queued.start()
+        wait_for(lambda: [r["status"] for r in proc.cache_state()["requests"]] == ["waiting"])
         refused = proc.post("/v1/completions", body)
         assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_error"
         assert refused.headers["retry-after"] == "1"   # can fit later: the SDK's retry waits for it
-        # shutting down: the requests in flight are aborted with 503 and the process exits cleanly
+        # shutting down: the request in flight is aborted with 503 and the process exits cleanly
         assert clean_exit(proc.stop(signal.SIGTERM)), proc.log()
-        running.join(30)
-        waiting.join(30)
-        assert results["running"].status_code == 503, results["running"].text
-        assert results["running"].json()["error"]["type"] == "service_unavailable"
-        # a stream that had started gets the error as its last event, then [DONE]
-        events = [line for line in results["waiting"].text.splitlines() if line]
-        assert events[-1] == "data: [DONE]"
-        assert json.loads(events[-2][6:])["error"]["type"] == "service_unavailable"
+        queued.join(30)
+        assert results["queued"].status_code == 503, results["queued"].text
+        assert results["queued"].json()["error"]["type"] == "service_unavailable"
     finally:
         proc.stop(signal.SIGKILL)
 

@@ -30,10 +30,11 @@ def model_and_tokenizer():
     return kvlab.load(dtype="float64")
 
 
-def start(model_and_tokenizer, enable_pause: bool = False, **engine_kw) -> InProcessServer:
+def start(model_and_tokenizer, enable_pause: bool = False, max_waiting: int = 256,
+          **engine_kw) -> InProcessServer:
     model, tokenizer = model_and_tokenizer
     app = create_app(Engine(model, tokenizer, **engine_kw), tokenizer, model_names=["bard"],
-                     enable_pause=enable_pause)
+                     enable_pause=enable_pause, max_waiting=max_waiting)
     return InProcessServer(app)
 
 
@@ -177,6 +178,46 @@ def test_pause_holds_requests_between_steps_and_resume_finishes_them(model_and_t
             texts = [f.result(60).json()["choices"][0]["text"] for f in (first, second)]
         assert texts == [reference(model_and_tokenizer, tokenizer.encode(p), MAX_TOKENS) for p in PROMPTS[:2]]
         assert server.get("/is_paused").json() == {"is_paused": False}
+    finally:
+        server.engine_loop.set_paused(False)
+        server.stop()
+
+
+def test_full_queue_gets_429_and_shutdown_aborts_running_and_waiting_with_503(model_and_tokenizer, monkeypatch):
+    """One seat, one waiting slot. Paused from inside the loop after the first step (no clock decides), the
+    running request cannot finish: a waiting stream fills the queue, a third request gets 429 with
+    Retry-After; shutting down then answers the running request 503 and ends the stream with the error
+    event and [DONE]. (tests/test_serve.py repeats the 429 and the 503 on a real `kvlab serve` process.)"""
+    server = start(model_and_tokenizer, enable_pause=True, max_waiting=1, max_num_seqs=1)
+    real_forward = LlamaModel.forward_batch
+
+    def pausing_forward(model, batch, *args, **kwargs):
+        server.engine_loop.set_paused(True)   # takes effect before the next step
+        return real_forward(model, batch, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaModel, "forward_batch", pausing_forward)
+    body = {"prompt": PROMPTS[2], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+
+    def stream() -> list[str]:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            return [line for line in r.iter_lines() if line]
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(server.post, "/v1/completions", body)
+            while server.get("/is_paused").json() != {"is_paused": True}:
+                threading.Event().wait(0.01)
+            waiting = pool.submit(stream)
+            while [r["status"] for r in server.get("/v1/cache/state").json()["requests"]] != ["running", "waiting"]:
+                threading.Event().wait(0.01)
+            refused = server.post("/v1/completions", body)
+            assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_error"
+            assert refused.headers["retry-after"] == "1"
+            server.engine_loop.begin_shutdown(0)
+            answer, events = running.result(60), waiting.result(60)
+        assert answer.status_code == 503 and answer.json()["error"]["type"] == "service_unavailable"
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][6:])["error"]["type"] == "service_unavailable"
     finally:
         server.engine_loop.set_paused(False)
         server.stop()
