@@ -19,7 +19,13 @@ The tile rows are the compute dtype, float32 (the caller widens or dequantizes o
 first, attention.py). Rows past n in the last eight-key block are read as row n-1 again (never past the
 tile), and their scores are written into the scratch row's unused tail: `scores` [G, W] needs W >= the
 tile rounded up to 8. The sums are the reference's up to summation order (fastmath's reassoc, as the
-numba loops): tests/test_kernels.py holds the kernel to the NumPy twin.
+numba loops).
+
+Filling that tile is vector code too: `widen_run` (float16/bfloat16 bits, exact), `dequantize_int8` and
+`dequantize_int4` (codes times their group's float16 scale plus its zero, as stored; int4's two nibbles
+a byte are interleaved back in registers). Each falls back to a numba loop for float64 or shapes it does
+not cover. tests/test_attention_simd.py holds each to NumPy and checks the assembly; tests/test_kernels*.py
+hold the whole kernel to its NumPy twin.
 """
 
 from __future__ import annotations
