@@ -5,7 +5,8 @@ float32, bfloat16, or GGUF block types kept as codes), or the GGUF/HF files give
 each model and thread count (numba.set_num_threads, alternating round by round in one process, so both
 counts see the same minute of a shared machine):
 
-  * decode tokens/s at `--context` (mean step of the best round) and the 2-thread / 1-thread ratio;
+  * decode tokens/s at `--context` and `--batch` sequences (mean step of the best round), and the ratio
+    to the first thread count's;
   * the step split into its parts, timed by wrapping them (perf_counter around each call; the wrapping
     itself costs ~1 us a call, counted in "rest"): the fused qkv+RoPE calls, the fused output+MLP calls,
     attention (write K/V and attend), the LM head (the final norm + vocabulary product), and the rest
@@ -17,7 +18,7 @@ And with `--bands`, prefill's band scheme alone on one quantized matrix (the MLP
 dequantize-then-BLAS (QuantizedMatrix.matmul_t) against BLAS on the float32 matrix, ns per weight.
 
     PYTHONPATH=. python bench/bench_decode_profile.py [--formats float32 q8_0 q4_0] [--model F.gguf ...]
-        [--context 128] [--steps 16] [--repeats 3] [--bands]
+        [--context 128] [--batch 1] [--steps 16] [--repeats 3] [--bands]
 """
 
 from __future__ import annotations
@@ -71,12 +72,12 @@ def nbytes(w) -> int:
     return w.nbytes if isinstance(w, (QuantizedMatrix, RowStack)) else np.asarray(w).nbytes
 
 
-def part_bytes(model: LlamaModel, context: int) -> dict[str, int]:
+def part_bytes(model: LlamaModel, context: int, batch: int = 1) -> dict[str, int]:
     c = model.config
     return {"qkv+rope": sum(nbytes(layer.w_qkv) for layer in model.layers),
             "output+mlp": sum(nbytes(layer.w_o) + nbytes(layer.w_gate_up) + nbytes(layer.w_down)
                               for layer in model.layers),
-            "attention": 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * context
+            "attention": 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * context * batch
             * np.dtype(model.dtype).itemsize,
             "lm head": nbytes(model.lm_head)}
 
@@ -108,9 +109,9 @@ def patch_attention(timers: list[PartTimer]) -> None:
 def decode_round(model: LlamaModel, prompt: np.ndarray, steps: int, timer: PartTimer) -> tuple[float, dict]:
     """Mean step seconds over `steps` decode steps after a prefill of `prompt`, and the parts' seconds
     per step (means over the same steps, so the parts add up to the step)."""
-    cache = model.new_cache(1, capacity=prompt.shape[1] + steps + 1)
+    cache = model.new_cache(prompt.shape[0], capacity=prompt.shape[1] + steps + 1)
     model.forward(prompt, cache=cache, logits_to_keep=1)
-    token = np.ones((1, 1), dtype=np.int64)
+    token = np.ones((prompt.shape[0], 1), dtype=np.int64)
     timer.seconds.clear()
     times = []
     timer.active = True
@@ -177,6 +178,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together (one step for all)")
     p.add_argument("--bands", action="store_true", help="also time prefill's band dequantization alone")
     args = p.parse_args()
     import numba
@@ -186,7 +188,7 @@ def main() -> None:
     for name, model in models.items():
         instrument(model, timers[name])
     patch_attention(list(timers.values()))
-    prompt = np.random.default_rng(0).integers(0, 1000, size=(1, args.context))
+    prompt = np.random.default_rng(0).integers(0, 1000, size=(args.batch, args.context))
     for name, model in models.items():  # compile outside the timed rounds
         decode_round(model, prompt[:, :4], 2, timers[name])
     best: dict[tuple[str, int], tuple[float, dict]] = {}
@@ -201,12 +203,13 @@ def main() -> None:
                     best[(name, threads)] = got
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown CPU")
-    print(f"{cpu}; streaming read {bandwidth / 1e9:.1f} GB/s (2 threads, same run); context {args.context}; "
+    print(f"{cpu}; streaming read {bandwidth / 1e9:.1f} GB/s (2 threads, same run); batch {args.batch}, "
+          f"context {args.context}; "
           f"best of {args.repeats} rounds of the mean of {args.steps} steps; thread counts alternate")
-    print(f"{'model':<18}{'thr':>4}{'tok/s':>8}{'ms':>8}  " + "".join(f"{p:>17}" for p in PARTS)
+    print(f"{'model':<18}{'thr':>4}{'tok/s':>8}{'ms/step':>8}  " + "".join(f"{p:>17}" for p in PARTS)
           + f"{'vs 1 thread':>13}")
     for name, model in models.items():
-        roof = part_bytes(model, args.context)
+        roof = part_bytes(model, args.context, args.batch)
         for threads in args.threads:
             step, parts = best[(name, threads)]
             cells = []
@@ -215,9 +218,10 @@ def main() -> None:
                 cells.append(f"{ms:>7.2f} ({ms / (1e3 * roof[part] / bandwidth):>4.1f}x)" if part in roof
                              else f"{ms:>7.2f}        ")
             ratio = best[(name, args.threads[0])][0] / step
-            print(f"{name:<18}{threads:>4}{1 / step:>8.1f}{1e3 * step:>8.2f}  " + "".join(f"{c:>17}" for c in cells)
+            print(f"{name:<18}{threads:>4}{args.batch / step:>8.1f}{1e3 * step:>8.2f}  " + "".join(f"{c:>17}" for c in cells)
                   + f"{ratio:>12.2f}x")
-    print("parts: ms per step (x its roofline: the part's bytes at the streaming read); 'rest' has no bytes")
+    print("parts: ms per step (x its roofline: the part's bytes at the streaming read; with a batch the products "
+          "are bound by FMAs, not bytes); 'rest' has no bytes")
     if args.bands:
         bands(bandwidth, args.repeats)
 
