@@ -37,12 +37,10 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kvlab import LlamaModel  # noqa: E402
-from kvlab.config import ModelConfig  # noqa: E402
 from kvlab.model import attention as attention_module  # noqa: E402
-from kvlab.model.quantized import QuantizedMatrix, RowStack, quantize_weights  # noqa: E402
-from kvlab.model.weights import random_weights  # noqa: E402
+from kvlab.model.quantized import QuantizedMatrix, RowStack  # noqa: E402
 from roofline import measure_bandwidth  # noqa: E402
-from shapes import SMOLLM2_135M  # noqa: E402
+from shapes import models_in_formats  # noqa: E402
 
 PARTS = ("qkv+rope", "output+mlp", "attention", "lm head", "rest")
 
@@ -132,16 +130,7 @@ def build(args: argparse.Namespace) -> dict[str, LlamaModel]:
         for path in args.model:
             models[Path(path).name], _ = kvlab.load(path)
         return models
-    config = ModelConfig(**SMOLLM2_135M)
-    weights = random_weights(config, 0, np.float32)
-    for name in args.formats:
-        if name == "float32":
-            models[name] = LlamaModel(config, weights, dtype=np.float32)
-        elif name == "bfloat16":
-            models[name] = LlamaModel(config, weights, dtype=np.float32, weights_dtype="bfloat16")
-        else:
-            models[name] = LlamaModel(config, quantize_weights(weights, name), dtype=np.float32)
-    return models
+    return models_in_formats(args.formats)
 
 
 def bands(bandwidth: float, repeats: int) -> None:

@@ -36,7 +36,7 @@ from kvlab.model.quantized import QuantizedMatrix, RowStack, dequantized, quanti
 from kvlab.model.weights import random_weights  # noqa: E402
 from roofline import measure_bandwidth  # noqa: E402 (bench/roofline.py)
 
-from shapes import SMOLLM2_135M  # noqa: E402 (bench/shapes.py)
+from shapes import SMOLLM2_135M, models_in_formats  # noqa: E402 (bench/shapes.py)
 
 SHAPE = SMOLLM2_135M
 
@@ -81,15 +81,8 @@ def main() -> None:
                    "tokens of prefill per format and round would dominate the run)")
     args = p.parse_args()
     config = ModelConfig(**SHAPE)
-    weights = random_weights(config, 0, np.float32)
-    models = {}
-    for name in args.formats:
-        if name == "float32":
-            models[name] = LlamaModel(config, weights, dtype=np.float32)
-        elif name == "bfloat16":
-            models[name] = LlamaModel(config, weights, dtype=np.float32, weights_dtype="bfloat16")
-        else:
-            models[name] = LlamaModel(config, quantize_weights(weights, name), dtype=np.float32)
+    weights = random_weights(config, 0, np.float32)  # the same seed as models_in_formats: the reference values
+    models = models_in_formats(args.formats)
     prompt = np.random.default_rng(0).integers(0, config.vocab_size, size=(1, args.context))
     check = prompt[:, :16]
     errors = {}

@@ -289,18 +289,24 @@ def _dequantize_int8_loop(codes, scale_bits, zero_bits, group, out, zero):
             out[base + i] = z + codes[base + i] * s
 
 
-@overload(dequantize_int8, inline="always")
-def _dequantize_int8(codes, scale_bits, zero_bits, group, out, zero):
-    if not _is_f32(out):
-        return lambda codes, scale_bits, zero_bits, group, out, zero: _dequantize_int8_loop(
-            codes, scale_bits, zero_bits, group, out, zero)
+def _register_dequantize(public, vector, loop, multiple: int) -> None:
+    """Overload `public` (codes, scale_bits, zero_bits, group, out, zero): the vector code for float32 out
+    and groups of a multiple of `multiple`, else the numba loop."""
+    @overload(public, inline="always")
+    def _choose(codes, scale_bits, zero_bits, group, out, zero):
+        if not _is_f32(out):
+            return lambda codes, scale_bits, zero_bits, group, out, zero: loop(
+                codes, scale_bits, zero_bits, group, out, zero)
 
-    def vector(codes, scale_bits, zero_bits, group, out, zero):
-        if group % LANES == 0:
-            _dequantize_int8_f32(codes, scale_bits, zero_bits, group, out)
-        else:
-            _dequantize_int8_loop(codes, scale_bits, zero_bits, group, out, zero)
-    return vector
+        def chosen(codes, scale_bits, zero_bits, group, out, zero):
+            if group % multiple == 0:
+                vector(codes, scale_bits, zero_bits, group, out)
+            else:
+                loop(codes, scale_bits, zero_bits, group, out, zero)
+        return chosen
+
+
+_register_dequantize(dequantize_int8, _dequantize_int8_f32, _dequantize_int8_loop, LANES)
 
 
 @intrinsic
@@ -377,15 +383,4 @@ def _dequantize_int4_loop(codes, scale_bits, zero_bits, group, out, zero):
             out[base + 2 * i + 1] = z + np.float32(c >> 4) * s
 
 
-@overload(dequantize_int4, inline="always")
-def _dequantize_int4(codes, scale_bits, zero_bits, group, out, zero):
-    if not _is_f32(out):
-        return lambda codes, scale_bits, zero_bits, group, out, zero: _dequantize_int4_loop(
-            codes, scale_bits, zero_bits, group, out, zero)
-
-    def vector(codes, scale_bits, zero_bits, group, out, zero):
-        if group % (2 * LANES) == 0:
-            _dequantize_int4_f32(codes, scale_bits, zero_bits, group, out)
-        else:
-            _dequantize_int4_loop(codes, scale_bits, zero_bits, group, out, zero)
-    return vector
+_register_dequantize(dequantize_int4, _dequantize_int4_f32, _dequantize_int4_loop, 2 * LANES)
