@@ -513,3 +513,78 @@ def test_a_waiting_sequence_too_long_for_the_pool_does_not_hold_up_the_queue():
     scheduler.add(small)
     out = scheduler.schedule()
     assert out.too_long == [huge] and planned(out) == [("small", 5)]
+
+
+def test_admissions_in_one_step_share_the_token_budget_and_are_numbered_in_order():
+    """Three waiting prompts of 10 tokens under a 16-token budget: the first whole, the second chunked to
+    the 6 left, the third not at all; each admission numbered after the one before (preemption takes
+    the latest)."""
+    from kvlab.engine.request import Request
+
+    scheduler, _ = scheduler_with(16, 16)
+    seqs = [Request(name, list(range(1, 11)), SamplingParams(max_tokens=5), ROOT, 5).seqs[0] for name in "abc"]
+    for seq in seqs:
+        scheduler.add(seq)
+    assert planned(scheduler.schedule()) == [("a", 10), ("b", 6)]
+    scheduler.running.clear()   # as if both ran and finished; admit the third and a fourth next
+    later = Request("d", list(range(1, 4)), SamplingParams(max_tokens=5), ROOT, 5).seqs[0]
+    scheduler.add(later)
+    assert planned(scheduler.schedule()) == [("c", 10), ("d", 3)]
+    assert [s.admitted_at for s in seqs + [later]] == [0, 1, 2, 3]
+
+
+def test_a_sequence_preempted_earlier_in_the_step_is_skipped_and_the_rest_still_run():
+    """`a` needs a third block and none is free: `x`, admitted last, is preempted for it; `x` comes next
+    in the running list and is skipped, and `c` after it still decodes."""
+    scheduler, named = scheduler_with(8, 5, ("a", 9, 8, 0), ("x", 5, 4, 2), ("c", 6, 5, 1))
+    out = scheduler.schedule()
+    assert planned(out) == [("a", 1), ("c", 1)]
+    assert named["x"] in scheduler.waiting and scheduler.num_preemptions == 1
+
+
+def test_a_fork_copies_its_shared_partial_block_with_exactly_one_more_block():
+    """Parent and child share two blocks, the second partly filled; one block is free. The parent's decode
+    needs exactly that one (its copy of the shared tail), the child then owns the original: both decode,
+    nothing is preempted."""
+    from kvlab.engine.request import Request
+
+    scheduler, named = scheduler_with(8, 3, ("p", 7, 6, 0))
+    child = Request("c", list(range(1, 8)), SamplingParams(max_tokens=50), ROOT, 50).seqs[0]
+    scheduler.fork(named["p"], child)
+    out = scheduler.schedule()
+    assert planned(out) == [("p", 1), ("c", 1)] and scheduler.num_preemptions == 0
+    assert scheduler.pool.num_free_blocks == 0 and named["p"].block_table[0] == child.block_table[0]
+    assert named["p"].block_table[1] != child.block_table[1]
+
+
+def test_a_model_runner_made_without_bounds_runs_a_step_as_a_full_forward(model):
+    """The runner's default bounds (no policy, no window): a 5-token prefill computes the full forward's
+    last logits, commits its tokens and registers its one full block."""
+    from kvlab.engine.introspection import StepCounters
+    from kvlab.engine.model_runner import ModelRunner
+    from kvlab.engine.request import Request
+
+    c = model.config
+    pool = BlockPool(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, model.dtype, 4, 8)
+    runner = ModelRunner(model, pool, PrefixCache(pool), StepCounters())
+    seq = Request("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=2), ROOT, 2).seqs[0]
+    seq.block_table = pool.allocate(2)
+    logits, sampled = runner.run([(seq, 5)])
+    want = model.forward(np.array([[1, 2, 3, 4, 5]])).logits[0, -1]
+    assert sampled == [seq] and np.abs(logits[0] - want).max() <= 1e-12
+    assert seq.num_computed_tokens == 5 and len(seq.block_keys) == 1
+
+
+def test_a_running_sequence_too_long_for_the_pool_ends_and_the_rest_still_run():
+    """`big` holds the whole pool and its next token needs a fifth block of four: it is removed to finish,
+    and `p`, whose computed prefix sits in a block it shares with `big`, still gets its chunk this step."""
+    scheduler, named = scheduler_with(8, 4, ("big", 17, 16, 0))
+    from kvlab.engine.request import Request, Status
+
+    p = Request("p", list(range(1, 13)), SamplingParams(max_tokens=5), ROOT, 5).seqs[0]
+    p.num_computed_tokens, p.block_table = 4, [named["big"].block_table[0]]
+    scheduler.pool.acquire(p.block_table)
+    p.status, p.admitted_at = Status.RUNNING, 1
+    scheduler.running.append(p)
+    out = scheduler.schedule()
+    assert out.too_long == [named["big"]] and planned(out) == [("p", 8)]
