@@ -228,3 +228,18 @@ def test_invariant_checks_name_what_broke():
     pool.ref_counts[table[0]] = 0
     with pytest.raises(AssertionError, match="^a free block is still registered$"):
         cache.check_invariants({table[0]})
+
+
+def test_listeners_are_asked_only_for_a_whole_block_past_the_local_hits():
+    """A tier is asked to fill a miss only where the prompt holds a whole block beyond what matched
+    locally (a partial tail is always recomputed, never fetched)."""
+    pool, cache = make_cache(num_blocks=8)
+    listener = Recorder(pool, [])   # fills nothing: only the questions are recorded
+    cache.listeners.append(listener)
+    table, _ = compute(pool, cache, [1, 2, 3, 4])
+    listener.events.clear()
+    assert cache.match([1, 2, 3], ROOT) == ([], [])           # less than a block: nothing to ask
+    assert cache.match([1, 2, 3, 4, 5, 6, 7], ROOT)[0] == table  # one hit, then a partial block
+    assert listener.events == []
+    assert cache.match([1, 2, 3, 4, 5, 6, 7, 8], ROOT)[0] == table  # a whole block past the hit
+    assert listener.events == [("miss", 4)]
