@@ -159,17 +159,18 @@ def test_the_numpy_backend_runs_every_attention_without_the_compiled_kernels(mon
     assert [o.outputs[0].token_ids for o in Engine(model, block_size=4).generate(prompts, params)] == want
 
 
-@pytest.mark.parametrize("backend, kv_dtype, decode_kernel, prefill_kernel", [
-    ("numba", "float32", True, True),   # a float pool: both kernels read the blocks in place
-    ("numba", "int8", True, False),     # codes: the decode kernel reads them; prefill chunks take NumPy
-    ("numpy", "float32", False, False), # the reference backend never calls a kernel,
-    ("numpy", "int8", False, False),    # not even on codes it could read
+@pytest.mark.parametrize("backend, kv_dtype, policy, decode_kernel, prefill_kernel", [
+    ("numba", "float32", None, True, True),      # a float pool: both kernels read the blocks in place
+    ("numba", "float32", "window:16", True, True),  # a policy's key starts narrow the kernels' ranges
+    ("numba", "int8", None, True, False),        # codes: the decode kernel reads them; prefill takes NumPy
+    ("numpy", "float32", None, False, False),    # the reference backend never calls a kernel,
+    ("numpy", "int8", None, False, False),       # not even on codes it could read
 ])
-def test_paged_attention_takes_the_kernels_its_pool_allows(monkeypatch, backend, kv_dtype, decode_kernel,
+def test_paged_attention_takes_the_kernels_its_pool_allows(monkeypatch, backend, kv_dtype, policy, decode_kernel,
                                                            prefill_kernel):
     """Which path the engine's PagedAttention runs, counted per layer call (the paths agree to rounding,
-    so only a count tells them apart): prefill chunks and decodes, a float or an int8 pool, compiled or
-    NumPy. A decode step never runs the prefill kernel."""
+    so only a count tells them apart): prefill chunks and decodes, a float or an int8 pool, with or
+    without a cache policy, compiled or NumPy. A decode step never runs the prefill kernel."""
     pytest.importorskip("numba")
     from kvlab.kernels import attention as decode_kernels, prefill_attention
 
@@ -187,7 +188,7 @@ def test_paged_attention_takes_the_kernels_its_pool_allows(monkeypatch, backend,
                         counted("prefill", prefill_attention.varlen_prefill_attention))
     config = tiny_config(head_dim=64, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
     model = LlamaModel(config, random_weights(config, 3, np.float32), dtype=np.float32, backend=backend)
-    engine = Engine(model, block_size=4, kv_cache_dtype=kv_dtype)
+    engine = Engine(model, block_size=4, kv_cache_dtype=kv_dtype, kv_policy=policy)
     layers = config.num_hidden_layers
     engine.add_request("r", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=3, ignore_eos=True))
     engine.step()   # the prefill
