@@ -286,3 +286,16 @@ def test_a_policy_prompt_may_outgrow_max_model_len_but_not_the_pool():
     [out] = engine.generate([list(range(100))], SamplingParams(max_tokens=3, **GREEDY))
     assert len(out.outputs[0].token_ids) == 3
     assert engine.stats()["num_preemptions"] == 0 and engine.block_pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("policy", ["window:8", "sinks:2:10", "shift:2:10"])
+def test_the_numpy_backend_runs_a_policy_as_the_kernels_do(policy):
+    """The engine's NumPy attention path (gathering each sequence's blocks) honours a policy's key starts
+    and sinks as the compiled kernels do: the same greedy tokens on prompts past the budget."""
+    numpy_model = TinyLlama(seed=5, backend="numpy")
+    prompts = [[(5 * i + 3 * t) % 250 for t in range(n)] for i, n in enumerate((30, 13))]
+    outs = [[o.outputs[0].token_ids for o in Engine(model, block_size=4, num_blocks=24, max_num_batched_tokens=6,
+                                                   kv_policy=policy).generate(prompts, SamplingParams(max_tokens=12,
+                                                                                                      **GREEDY))]
+            for model in (MODEL, numpy_model)]
+    assert outs[0] == outs[1]

@@ -170,11 +170,13 @@ def test_paged_attention_takes_the_kernels_its_pool_allows(monkeypatch, backend,
                                                            prefill_kernel):
     """Which path the engine's PagedAttention runs, counted per layer call (the paths agree to rounding,
     so only a count tells them apart): prefill chunks and decodes, a float or an int8 pool, with or
-    without a cache policy, compiled or NumPy. A decode step never runs the prefill kernel."""
+    without a cache policy, compiled or NumPy. A decode step never runs the prefill kernel, and what a
+    kernel ran is never computed again by the NumPy gather (model/paged_attention.py)."""
     pytest.importorskip("numba")
     from kvlab.kernels import attention as decode_kernels, prefill_attention
+    from kvlab.model import attention as seams
 
-    calls = {"decode": 0, "prefill": 0}
+    calls = {"decode": 0, "prefill": 0, "numpy": 0}
 
     def counted(name, fn):
         def call(*args, **kwargs):
@@ -186,13 +188,33 @@ def test_paged_attention_takes_the_kernels_its_pool_allows(monkeypatch, backend,
                         counted("decode", decode_kernels.paged_decode_attention))
     monkeypatch.setattr(prefill_attention, "varlen_prefill_attention",
                         counted("prefill", prefill_attention.varlen_prefill_attention))
+    monkeypatch.setattr(seams, "paged_attention", counted("numpy", seams.paged_attention))
     config = tiny_config(head_dim=64, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
     model = LlamaModel(config, random_weights(config, 3, np.float32), dtype=np.float32, backend=backend)
     engine = Engine(model, block_size=4, kv_cache_dtype=kv_dtype, kv_policy=policy)
     layers = config.num_hidden_layers
     engine.add_request("r", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=3, ignore_eos=True))
     engine.step()   # the prefill
-    assert calls == {"decode": 0, "prefill": layers if prefill_kernel else 0}
-    calls.update(decode=0, prefill=0)
+    assert calls == {"decode": 0, "prefill": layers if prefill_kernel else 0, "numpy": 0 if prefill_kernel else layers}
+    calls.update(decode=0, prefill=0, numpy=0)
     engine.step()   # one decode
-    assert calls == {"decode": layers if decode_kernel else 0, "prefill": 0}
+    assert calls == {"decode": layers if decode_kernel else 0, "prefill": 0, "numpy": 0 if decode_kernel else layers}
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_the_contiguous_decode_picks_its_kernel_by_the_key_rows_it_reads(monkeypatch, window):
+    """The serial or the split-K kernel is chosen from the key rows a decode reads in all (sequences x KV
+    heads x visible keys): 2 sequences x 2 KV heads x 100 keys, or 40 of them under a sliding window."""
+    pytest.importorskip("numba")
+    from kvlab.kernels import attention as decode_kernels
+
+    asked: list[int] = []
+    real = decode_kernels.decode_kernel
+    monkeypatch.setattr(decode_kernels, "decode_kernel", lambda rows: asked.append(rows) or real(rows))
+    config = tiny_config(sliding_window=window, max_position_embeddings=256)
+    model = LlamaModel(config, random_weights(config, 3, np.float32), dtype=np.float32, backend="numba")
+    cache = model.new_cache(2)
+    model.forward(np.ones((2, 99), dtype=np.int64), cache=cache)
+    asked.clear()
+    model.forward(np.ones((2, 1), dtype=np.int64), cache=cache)
+    assert asked == [2 * config.num_key_value_heads * (window or 100)]
