@@ -204,17 +204,22 @@ def test_paged_attention_takes_the_kernels_its_pool_allows(monkeypatch, backend,
 @pytest.mark.parametrize("window", [None, 40])
 def test_the_contiguous_decode_picks_its_kernel_by_the_key_rows_it_reads(monkeypatch, window):
     """The serial or the split-K kernel is chosen from the key rows a decode reads in all (sequences x KV
-    heads x visible keys): 2 sequences x 2 KV heads x 100 keys, or 40 of them under a sliding window."""
+    heads x visible keys): 2 sequences x 2 KV heads x 100 keys, or 40 of them under a sliding window. The
+    prefill before it took the prefill kernel, once per layer."""
     pytest.importorskip("numba")
-    from kvlab.kernels import attention as decode_kernels
+    from kvlab.kernels import attention as decode_kernels, prefill_attention
 
     asked: list[int] = []
-    real = decode_kernels.decode_kernel
+    real, real_prefill = decode_kernels.decode_kernel, prefill_attention.prefill_attention
     monkeypatch.setattr(decode_kernels, "decode_kernel", lambda rows: asked.append(rows) or real(rows))
+    prefills: list[int] = []
+    monkeypatch.setattr(prefill_attention, "prefill_attention",
+                        lambda *args: prefills.append(1) or real_prefill(*args))
     config = tiny_config(sliding_window=window, max_position_embeddings=256)
     model = LlamaModel(config, random_weights(config, 3, np.float32), dtype=np.float32, backend="numba")
     cache = model.new_cache(2)
     model.forward(np.ones((2, 99), dtype=np.int64), cache=cache)
+    assert len(prefills) == config.num_hidden_layers
     asked.clear()
     model.forward(np.ones((2, 1), dtype=np.int64), cache=cache)
     assert asked == [2 * config.num_key_value_heads * (window or 100)]
