@@ -223,3 +223,28 @@ def test_the_contiguous_decode_picks_its_kernel_by_the_key_rows_it_reads(monkeyp
     asked.clear()
     model.forward(np.ones((2, 1), dtype=np.int64), cache=cache)
     assert asked == [2 * config.num_key_value_heads * (window or 100)]
+
+
+def test_float_kernels_fuse_up_to_max_fused_rows_and_not_beyond():
+    """CompiledOps over float weights: up to `max_fused_rows` rows each layer is two fused calls (qkv+RoPE,
+    output+MLP); one row more takes the products one by one (BLAS above the gemv kernels' limit)."""
+    pytest.importorskip("numba")
+
+    class Counting:
+        def __init__(self, module):
+            self.module, self.calls = module, {"qkv_rope": 0, "output_mlp": 0}
+
+        def __getattr__(self, name):
+            def call(*args):
+                self.calls[name] += 1
+                return getattr(self.module, name)(*args)
+            return call
+
+    config = tiny_config(max_position_embeddings=64)
+    model = LlamaModel(config, random_weights(config, 1, np.float32), dtype=np.float32, backend="numba")
+    counting = model.ops._fused = Counting(model.ops._fused)
+    layers = config.num_hidden_layers
+    for rows, fused in ((1, layers), (model.ops.max_fused_rows, layers), (model.ops.max_fused_rows + 1, 0)):
+        counting.calls = {"qkv_rope": 0, "output_mlp": 0}
+        model.forward(np.arange(rows)[None] % 50)
+        assert counting.calls == {"qkv_rope": fused, "output_mlp": fused}, rows
