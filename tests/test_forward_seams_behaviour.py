@@ -246,5 +246,6 @@ def test_float_kernels_fuse_up_to_max_fused_rows_and_not_beyond():
     layers = config.num_hidden_layers
     for rows, fused in ((1, layers), (model.ops.max_fused_rows, layers), (model.ops.max_fused_rows + 1, 0)):
         counting.calls = {"qkv_rope": 0, "output_mlp": 0}
-        model.forward(np.arange(rows)[None] % 50)
+        logits = model.forward(np.arange(rows)[None] % 50).logits
         assert counting.calls == {"qkv_rope": fused, "output_mlp": fused}, rows
+        assert logits.dtype == np.float32   # the fused calls write the model's dtype
