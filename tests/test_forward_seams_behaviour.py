@@ -230,15 +230,7 @@ def test_float_kernels_fuse_up_to_max_fused_rows_and_not_beyond():
     output+MLP); one row more takes the products one by one (BLAS above the gemv kernels' limit)."""
     pytest.importorskip("numba")
 
-    class Counting:
-        def __init__(self, module):
-            self.module, self.calls = module, {"qkv_rope": 0, "output_mlp": 0}
-
-        def __getattr__(self, name):
-            def call(*args):
-                self.calls[name] += 1
-                return getattr(self.module, name)(*args)
-            return call
+    from fused_calls import CountingFused as Counting
 
     config = tiny_config(max_position_embeddings=64)
     model = LlamaModel(config, random_weights(config, 1, np.float32), dtype=np.float32, backend="numba")

@@ -179,15 +179,7 @@ def test_decode_rows_take_the_fused_kernels_and_prefill_rows_the_bands(tmp_path)
     import kvlab
     from kvlab.model.ops import QuantizedOps, make_ops
 
-    class Counting:
-        def __init__(self, module):
-            self.module, self.calls = module, {"qkv_rope": 0, "output_mlp": 0}
-
-        def __getattr__(self, name):
-            def call(*args):
-                self.calls[name] += 1
-                return getattr(self.module, name)(*args)
-            return call
+    from fused_calls import CountingFused as Counting
 
     for types, fused in ((("Q8_0",), True), (("F16", "Q8_0"), False)):
         path, _ = small_gguf(tmp_path, types)
