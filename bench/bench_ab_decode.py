@@ -9,8 +9,9 @@ the median of the per-round ratios (the figure to quote: one noisy round cannot 
     python bench/bench_ab_decode.py --old /tmp/kvlab-old --new . \\
         [--configs numba-f32-1:128 numba-bf16-1:128 numba-f32-16:128] [--rounds 6] [--steps 24]
 
-A config is BACKEND-WEIGHTS-BATCH:CONTEXT, WEIGHTS f32, bf16 or a block type kept as stored (q8_0, q4_0,
-q4_1, q5_0, q5_1: quantized at load, both trees must have kvlab.model.quantized).
+A config is BACKEND-WEIGHTS-BATCH[-CACHE]:CONTEXT, WEIGHTS f32, bf16 or a block type kept as stored (q8_0,
+q4_0, q4_1, q5_0, q5_1: quantized at load, both trees must have kvlab.model.quantized), CACHE a K/V cache
+dtype (float16, int8, int4, fp8_e4m3, ...; default the compute dtype), e.g. numba-f32-1-int8:4096.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ print("ready", flush=True)
 for line in sys.stdin:
     name, context, steps = line.split()
     context, steps = int(context), int(steps)
-    backend, kind, batch = name.split("-")
+    backend, kind, batch, *cache_dtype = name.split("-", 3)
     if name not in models:
         if kind in ("f32", "bf16"):
             models[name] = LlamaModel(config, weights, dtype=np.float32, backend=backend,
@@ -49,7 +50,7 @@ for line in sys.stdin:
         models[name].warm_up()
     model, batch = models[name], int(batch)
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (batch, context + steps))
-    cache = model.new_cache(batch, capacity=context + steps + 1)
+    cache = model.new_cache(batch, kv_dtype=cache_dtype[0] if cache_dtype else None, capacity=context + steps + 1)
     model.forward(ids[:, :context], cache=cache, logits_to_keep=1)
     times = []
     for i in range(steps):

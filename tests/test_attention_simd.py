@@ -125,3 +125,21 @@ def test_half_runs_widen_exactly(kind, length, seed):
     out = np.full(length, np.nan, np.float32)
     widen_call(as_kernel_array(values), out)
     assert np.array_equal(out, values.astype(np.float32))
+
+
+
+def test_every_float16_widens_exactly_as_rows_and_as_scales():
+    """Every finite float16 bit pattern: as a run of cache rows (exact float32 out) and as a group's
+    scale and, shifted by one, its zero (one code a group of eight), against NumPy's widening."""
+    halves = np.arange(2**16, dtype=np.uint16).view(np.float16)
+    halves = halves[np.isfinite(halves)]
+    halves = halves[: len(halves) // 8 * 8]
+    out = np.full(len(halves), np.nan, np.float32)
+    widen_call(halves.view(np.int16), out)
+    assert np.array_equal(out, halves.astype(np.float32))
+    codes = np.arange(len(halves) * 8, dtype=np.uint64).astype(np.uint8)
+    zeros = np.roll(halves, 1)
+    out = np.empty(len(halves) * 8, np.float32)
+    dequantize_call(codes, halves.view(np.int16), zeros.view(np.int16), 8, out)
+    want = np.repeat(zeros.astype(np.float32), 8) + codes.astype(np.float32) * np.repeat(halves.astype(np.float32), 8)
+    assert np.allclose(out, want, rtol=1e-6, atol=0)
