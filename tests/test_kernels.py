@@ -356,6 +356,35 @@ def test_fast_exp_within_two_ulp_of_exp():
     np.testing.assert_array_equal(out64, np.exp(x64))
 
 
+def test_fast_exp_compiles_without_numba_asking_to_report_a_bug():
+    """A cold compile of a softmax-shaped loop around fast_exp raises no NumbaIRAssumptionWarning: its
+    text ("This warning came from an internal pedantic check. Please report ...") was printed on the
+    first `kvlab generate` of a fresh install, under the main job's output."""
+    import warnings
+
+    from numba import njit
+    from numba.core.errors import NumbaIRAssumptionWarning
+
+    from kvlab.kernels.fastexp import fast_exp
+
+    @njit(fastmath={"reassoc", "contract"})  # not cached: compiled here, now
+    def softmax_numerator(x, out):
+        top = x[0]
+        for i in range(x.shape[0]):
+            top = max(top, x[i])
+        for i in range(x.shape[0]):
+            out[i] = fast_exp(x[i] - top)
+        return fast_exp(top - x[1])
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        x = np.float32([0.0, 1.0, -2.0, 3.0])
+        out = np.empty_like(x)
+        softmax_numerator(x, out)
+    assert not [w for w in caught if issubclass(w.category, NumbaIRAssumptionWarning)]
+    np.testing.assert_allclose(out, np.exp(x - 3.0), rtol=1e-6)
+
+
 # --- the model's two backends -------------------------------------------------------------------------
 CONFIGS = {
     "gqa": {},

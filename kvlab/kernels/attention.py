@@ -169,7 +169,7 @@ def _tile_decoded(stored, scale, zero_point, kind, group, b, h, r0, n, tile, zer
     d = tile.shape[3]
     dst, src = tile[0, 0].ravel(), stored[b, h].ravel()
     if kind == INT8 or kind == INT4:
-        groups, g0, per_byte = n * d // group, r0 * (d // group), 1 if kind == INT8 else 2
+        groups, g0, per_byte = n * d // group, r0 * (d // group), 1 + (kind == INT4)  # (no ternary: see fastexp)
         s_run, z_run = scale[b, h].ravel()[g0:g0 + groups], zero_point[b, h].ravel()[g0:g0 + groups]
         run = src[r0 * d // per_byte:(r0 + n) * d // per_byte]
         if kind == INT8:

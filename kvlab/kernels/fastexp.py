@@ -41,13 +41,13 @@ def _fast_exp_overload(x):
             r = clipped - n * _LN2_HI - n * _LN2_LO
             p = ((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5
             y = p * r * r + r + _ONE
-            scale = np.uint32((np.int32(n) + np.int32(127)) << np.int32(23)).view(np.float32)
-            value = y * scale
-            if x > _HIGH:
-                value = np.float32(np.inf)
-            if x < _LOW:
-                value = np.float32(0.0)
-            return value
+            # Saturation without branches: past _HIGH the exponent field is set to all ones (2^n = inf),
+            # below _LOW the result is multiplied by 0. A value reassigned in `if` branches made numba's IR
+            # check warn ("variable ... is not in scope", "please report") on every cold compile.
+            high = np.int32(x > _HIGH)
+            exponent = (np.int32(n) + np.int32(127)) | (high * np.int32(255))
+            scale = np.uint32(exponent << np.int32(23)).view(np.float32)
+            return y * scale * np.float32(not x < _LOW)
         return exp32
     if isinstance(x, types.Float):
         return lambda x: np.exp(x)
