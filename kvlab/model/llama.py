@@ -255,9 +255,7 @@ class LlamaModel:
             raise ContextLengthError(
                 f"positions {start}..{end - 1} exceed the model's context of "
                 f"{config.max_position_embeddings} tokens (max_position_embeddings)")
-        if not isinstance(logits_to_keep, int) or isinstance(logits_to_keep, bool) \
-                or logits_to_keep < 0:
-            raise InputError(f"logits_to_keep must be a non-negative int, got {logits_to_keep!r}")
+        logits_to_keep = validate.int_in_range(logits_to_keep, "logits_to_keep", 0)
         if cache is None and use_cache:
             cache = self.new_cache(batch, capacity=max(end, MIN_CAPACITY))
 
