@@ -73,6 +73,7 @@ def main() -> None:
     workers = {}
     for key, root in trees.items():
         env = dict(os.environ, PYTHONPATH=root)
+        env.setdefault("OPENBLAS_THREAD_TIMEOUT", "12")  # kvlab's default: the worker imports NumPy first
         workers[key] = subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True, env=env, cwd=root)
         assert workers[key].stdout.readline().strip() == "ready"

@@ -24,6 +24,7 @@ from pathlib import Path
 
 os.environ.setdefault("NUMBA_NUM_THREADS", "2")
 
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "12")  # kvlab's default (kvlab/__init__.py): before NumPy loads OpenBLAS
 import numpy as np  # noqa: E402
 from numba import njit  # noqa: E402
 

@@ -35,6 +35,7 @@ def parse_args() -> argparse.Namespace:
 ARGS = parse_args()
 os.environ["NUMBA_NUM_THREADS"] = str(ARGS.threads)
 
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "12")  # kvlab's default (kvlab/__init__.py): before NumPy loads OpenBLAS
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

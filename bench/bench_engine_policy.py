@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+import os
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "12")  # kvlab's default (kvlab/__init__.py): before NumPy loads OpenBLAS
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -28,6 +28,7 @@ import time
 
 os.environ.setdefault("NUMBA_NUM_THREADS", "2")
 
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "12")  # kvlab's default (kvlab/__init__.py): before NumPy loads OpenBLAS
 import numpy as np  # noqa: E402
 
 from kvlab import LlamaModel  # noqa: E402
