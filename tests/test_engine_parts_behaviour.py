@@ -75,6 +75,37 @@ def test_default_pool_holds_max_num_seqs_full_contexts_in_whole_blocks_capped(mo
     assert EngineConfig.create(model, kv_cache_memory=BYTES_PER_BLOCK).num_blocks == 1
 
 
+def test_defaults_are_vllms_and_a_float32_models_pool_is_float32(model):
+    """Unset, max_num_seqs and max_num_batched_tokens are 64 and 512 (EngineConfig.create's signature,
+    which `kvlab serve --help` prints as its defaults), and the pool stores the model's compute dtype: a float32 model's is float32 (a float64
+    model could not tell, np.dtype(None) being float64 too). A capped pool's block count is an int."""
+    config = EngineConfig.create(model)
+    assert (config.max_num_seqs, config.max_num_batched_tokens) == (64, 512)
+    assert EngineConfig.create(TinyLlama(seed=5, dtype=np.float32)).kv_cache_dtype == np.float32
+    assert type(EngineConfig.create(model, max_num_seqs=10_000).num_blocks) is int
+
+
+def test_engine_policy_errors_say_what_runs_instead(model):
+    """The whole message, as the server and the CLI print it; a policy as long as max_model_len is
+    allowed, one token longer is not (a Policy object: a policy string longer than the context is refused
+    earlier, by its parser)."""
+    from kvlab.policies.parse import parse_policy
+
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.create(model, kv_policy="h2o:4:8")
+    assert str(info.value) == ("kv_policy h2o:4:8 cannot run in the paged engine: it keeps rows by attention "
+                               "scores, which the engine's batched attention does not observe; use window:W, "
+                               "sinks:S:W or shift:KEEP[:BUDGET] (or kvlab generate --cache-policy)")
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.create(TinyLlama(seed=1, sliding_window=8), kv_policy="window:16")
+    assert str(info.value) == ("kv_policy window:16 on a sliding-window model (sliding_window 8): the model "
+                               "already bounds what it attends to; leave kv_policy unset")
+    assert EngineConfig.create(model, kv_policy=parse_policy("window:2048", 4096)).max_model_len == 2048
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.create(model, kv_policy=parse_policy("window:2049", 4096))
+    assert str(info.value) == "kv_policy window:2049 holds 2049 tokens but max_model_len is 2048"
+
+
 def test_the_engine_allocates_what_its_config_says(model):
     engine = Engine(model, block_size=4, num_blocks=9, max_num_seqs=2, max_num_batched_tokens=5)
     assert engine.block_pool.num_blocks == 9 and engine.block_pool.block_size == 4
