@@ -75,10 +75,11 @@ def test_default_pool_holds_max_num_seqs_full_contexts_in_whole_blocks_capped(mo
     assert EngineConfig.create(model, kv_cache_memory=BYTES_PER_BLOCK).num_blocks == 1
 
 
-def test_defaults_are_vllms_and_a_float32_models_pool_is_float32(model):
-    """Unset, max_num_seqs and max_num_batched_tokens are 64 and 512 (EngineConfig.create's signature,
-    which `kvlab serve --help` prints as its defaults), and the pool stores the model's compute dtype: a float32 model's is float32 (a float64
-    model could not tell, np.dtype(None) being float64 too). A capped pool's block count is an int."""
+def test_defaults_are_the_servers_and_a_float32_models_pool_is_float32(model):
+    """Unset, max_num_seqs and max_num_batched_tokens are 64 and 512 (EngineConfig.create's signature;
+    `kvlab serve` defaults its flags alike), and the pool stores the model's compute dtype: a float32
+    model's is float32 (a float64 model could not tell, np.dtype(None) being float64 too). A capped
+    pool's block count is an int."""
     config = EngineConfig.create(model)
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (64, 512)
     assert EngineConfig.create(TinyLlama(seed=5, dtype=np.float32)).kv_cache_dtype == np.float32
