@@ -10,7 +10,8 @@ the median of the per-round ratios (the figure to quote: one noisy round cannot 
         [--configs numba-f32-1:128 numba-bf16-1:128 numba-f32-16:128] [--rounds 6] [--steps 24]
 
 A config is BACKEND-WEIGHTS-BATCH[-CACHE]:CONTEXT, WEIGHTS f32, bf16 or a block type kept as stored (q8_0,
-q4_0, q4_1, q5_0, q5_1: quantized at load, both trees must have kvlab.model.quantized), CACHE a K/V cache
+q4_0, q4_1, q5_0, q5_1: quantized at load, both trees must have kvlab.model.quantized; "+q8" after one,
+e.g. q8_0+q8, rounds the products' inputs to int8: `activations="q8"`), CACHE a K/V cache
 dtype (float16, int8, int4, fp8_e4m3, ...; default the compute dtype), e.g. numba-f32-1-int8:4096.
 """
 
@@ -46,7 +47,10 @@ for line in sys.stdin:
                                       weights_dtype=None if kind == "f32" else "bfloat16")
         else:  # a GGUF block type, quantized at load with llama.cpp's encoder and kept as stored
             from kvlab.model.quantized import quantize_weights
-            models[name] = LlamaModel(config, quantize_weights(weights, kind), dtype=np.float32, backend=backend)
+            kind, _, activations = kind.partition("+")  # "q8_0+q8": inputs rounded to int8 (both trees need it)
+            extra = {"activations": activations} if activations else {}
+            models[name] = LlamaModel(config, quantize_weights(weights, kind), dtype=np.float32, backend=backend,
+                                      **extra)
         models[name].warm_up()
     model, batch = models[name], int(batch)
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (batch, context + steps))

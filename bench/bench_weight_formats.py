@@ -15,6 +15,9 @@ side in one process, alternating round by round, 2 threads:
     python bench/bench_weight_formats.py [--formats float32 bfloat16 q8_0 q4_0 q4_1] [--steps 16] [--repeats 3]
         [--batch 16]
 
+A block type with "+q8" ("q8_0+q8") rounds the products' inputs to int8 (`activations="q8"`, integer dot
+products, kernels/qdot.py); its err/scale column is then that rounding's error, not summation order.
+
 llama.cpp on the same files is not run here yet (the issue's bench); llama-cpp-python builds from source in
 ~15 minutes on two cores (`pip install -e '.[bench]'`).
 """
@@ -88,8 +91,8 @@ def main() -> None:
     check = prompt[:, :16]
     errors = {}
     for name, model in models.items():  # warm up (compile) and check against the same values in float32
-        values = LlamaModel(config, dequantized(quantize_weights(weights, name)), dtype=np.float32) \
-            if name not in ("float32", "bfloat16") else None
+        values = LlamaModel(config, dequantized(quantize_weights(weights, name.partition("+")[0])),
+                            dtype=np.float32) if name not in ("float32", "bfloat16") else None
         got = model.forward(check).logits
         want = values.forward(check).logits if values is not None else got
         errors[name] = float(np.abs(got - want).max()) / (float(np.abs(want).max()) + 1)
@@ -109,7 +112,7 @@ def main() -> None:
     print(f"streaming read {bandwidth / 1e9:.1f} GB/s; context {args.context}; 2 threads; best of {args.repeats} "
           f"rounds of the median of {args.steps} steps; cpu = process CPU time per step (both threads); "
           f"batch {args.batch} at context {args.batch_context}")
-    print(f"{'weights':<10}{'MB/step':>9}{'decode ms':>11}{'cpu ms':>8}{'tok/s':>8}{'x roofline':>12}{'vs f32':>8}"
+    print(f"{'weights':<11}{'MB/step':>9}{'decode ms':>11}{'cpu ms':>8}{'tok/s':>8}{'x roofline':>12}{'vs f32':>8}"
           f"{'cpu vs f32':>11}{'prefill ms':>12}{f'b{args.batch} tok/s':>11}{'b/b1':>7}{'err/scale':>11}")
     f32, f32_cpu = best.get("float32", [None, None])[:2]
     for name, model in models.items():
@@ -117,7 +120,7 @@ def main() -> None:
         read = step_bytes(model, args.context)
         roof = 1e3 * read / bandwidth
         batch_rate = 1e3 * args.batch / batch_ms if args.batch else float("nan")
-        print(f"{name:<10}{read / 1e6:>9.1f}{ms:>11.2f}{cpu:>8.2f}{1e3 / ms:>8.1f}{ms / roof:>11.2f}x"
+        print(f"{name:<11}{read / 1e6:>9.1f}{ms:>11.2f}{cpu:>8.2f}{1e3 / ms:>8.1f}{ms / roof:>11.2f}x"
               f"{(f32 / ms if f32 else float('nan')):>7.2f}x{(f32_cpu / cpu if f32_cpu else float('nan')):>10.2f}x"
               f"{pre:>12.1f}{batch_rate:>11.1f}{batch_rate * ms / 1e3:>6.2f}x{errors[name]:>11.1e}")
 

@@ -10,7 +10,8 @@ SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, n
 def models_in_formats(formats: list[str], seed: int = 0) -> dict:
     """One random float32 model of SMOLLM2_135M's shape in each weight format, by name: "float32",
     "bfloat16" (rounded, kept half), or a GGUF block type kept as stored ("q8_0", "q4_0", ...: llama.cpp's
-    encoder). All share the same weights, so their differences are the format's alone."""
+    encoder), optionally "+q8" for the products' inputs rounded to int8 (`activations="q8"`: "q8_0+q8").
+    All share the same weights, so their differences are the format's alone."""
     import numpy as np
 
     from kvlab import LlamaModel
@@ -26,5 +27,7 @@ def models_in_formats(formats: list[str], seed: int = 0) -> dict:
             models[name] = LlamaModel(config, weights, dtype=np.float32,
                                       weights_dtype=None if name == "float32" else "bfloat16")
         else:
-            models[name] = LlamaModel(config, quantize_weights(weights, name), dtype=np.float32)
+            kind, _, activations = name.partition("+")
+            models[name] = LlamaModel(config, quantize_weights(weights, kind), dtype=np.float32,
+                                      activations=activations or None)
     return models

@@ -20,7 +20,7 @@ import numpy as np
 
 from kvlab.errors import InputError
 from kvlab.model.llama import LlamaModel
-from kvlab.model.quantized import QUANTIZE_TYPES, QuantizedMatrix, dequantized, quant_type, quantize_weights
+from kvlab.model.quantized import QUANTIZE_TYPES, QuantizedMatrix, dequantized, quantize_weights, weight_choice
 from kvlab.perplexity import log_softmax, windows
 from kvlab.policies.apply import forward_with_policy
 from kvlab.policies.parse import CacheChoice, parse_cache_choice
@@ -178,28 +178,38 @@ def _matrix_bytes(weights: Mapping[str, np.ndarray | QuantizedMatrix]) -> tuple[
 def weight_fidelity(config, weights: Mapping[str, np.ndarray], token_ids: Sequence[int], bos_token_id: int,
                     types: Sequence[str] = QUANTIZE_TYPES, context: int | None = None,
                     progress: Callable[[str], None] | None = None) -> list[WeightFidelityRow]:
-    """One row for the float weights ("float32", first) and one per quantization type, over `token_ids`."""
+    """One row for the float weights ("float32", first) and one per quantization type, over `token_ids`.
+    A type with "+q8" ("q8_0+q8") also rounds every quantized product's input to int8 (model/act_quant.py):
+    what llama.cpp computes on such a file; it runs on the quantized kernels, the others as float models of
+    the dequantized values (the same logits, faster)."""
     ids = np.asarray(token_ids, dtype=np.int64)
     if ids.ndim != 1 or ids.size == 0:
         raise InputError("weight fidelity needs a non-empty 1-D token stream")
-    kinds = [quant_type(t) for t in types]  # all refused before any run
+    choices = [weight_choice(t) for t in types]  # all refused before any run
     context = context or config.max_position_embeddings
     if not 0 < context <= config.max_position_embeddings:
         raise InputError(f"context must be in 1..{config.max_position_embeddings}, got {context}")
     float_weights = {name: np.asarray(w, dtype=np.float32) for name, w in weights.items()}
     reference = LlamaModel(config, float_weights, dtype=np.float32)
-    variants: list[tuple[str, Mapping]] = [("float32", float_weights)]
-    variants += [(kind, quantize_weights(float_weights, kind)) for kind in kinds]
+    quantized = {kind: quantize_weights(float_weights, kind) for kind, _ in choices}
+    variants: list[tuple[str, Mapping, str]] = [("float32", float_weights, "float32")]
+    variants += [(kind if activations == "float32" else f"{kind}+{activations}", quantized[kind], activations)
+                 for kind, activations in choices]
     spans = list(windows(len(ids), context, context))
     exact_logp = []
     for b, i, e in spans:
         window = np.concatenate([[bos_token_id], ids[b:e - 1]])[None]
         exact_logp.append(log_softmax(reference.forward(window).logits[0])[i - b:])
     rows: list[WeightFidelityRow] = []
-    for name, variant in variants:
+    for name, variant, activations in variants:
         if progress:
             progress(f"weights {name}")
-        model = reference if name == "float32" else LlamaModel(config, dequantized(variant), dtype=np.float32)
+        if name == "float32":
+            model = reference
+        elif activations == "float32":
+            model = LlamaModel(config, dequantized(variant), dtype=np.float32)
+        else:
+            model = LlamaModel(config, variant, dtype=np.float32, activations=activations)
         t = dict(kl=0.0, kl_max=0.0, agree=0, nll=0.0)
         count = 0
         for (b, i, e), exact in zip(spans, exact_logp):

@@ -25,21 +25,27 @@ DEFAULT_COMPUTE_DTYPE = "float32"
 
 
 def load(path: str | Path | None = None, dtype: Any = DEFAULT_COMPUTE_DTYPE, progress: bool | None = None,
-         weights_dtype: str = "auto", backend: str | None = None) -> tuple[LlamaModel, HFTokenizer]:
+         weights_dtype: str = "auto", backend: str | None = None,
+         activations: str | None = None) -> tuple[LlamaModel, HFTokenizer]:
     """`model, tokenizer = kvlab.load(path)`; without a path, the default model shipped with kvlab.
 
     `path` is an HF folder, a .gguf file or a folder holding one. The tokenizer is read first (it is
-    small), so a folder without one fails before the weights load. `weights_dtype`: see `load_model`.
+    small), so a folder without one fails before the weights load. `weights_dtype`: see `load_model`;
+    `activations`: "q8" rounds the inputs of quantized matrices to int8 (LlamaModel.set_activations).
     """
     if gguf_file(path) is not None:
-        return load_gguf(path, dtype, progress, backend=backend, weights_dtype=_gguf_weights(weights_dtype, dtype))
-    if _quantize_to(weights_dtype) is not None:
-        return _quantized_at_load(path, dtype, backend, weights_dtype), hf.load_tokenizer(path)
-    return hf.load(path, dtype, progress, weights_dtype, backend)
+        model, tokenizer = load_gguf(path, dtype, progress, backend=backend,
+                                     weights_dtype=_gguf_weights(weights_dtype, dtype))
+    elif _quantize_to(weights_dtype) is not None:
+        model, tokenizer = _quantized_at_load(path, dtype, backend, weights_dtype), hf.load_tokenizer(path)
+    else:
+        model, tokenizer = hf.load(path, dtype, progress, weights_dtype, backend)
+    return _with_activations(model, activations), tokenizer
 
 
 def load_model(path: str | Path | None = None, dtype: Any = DEFAULT_COMPUTE_DTYPE, progress: bool | None = None,
-               weights_dtype: str = "auto", backend: str | None = None) -> LlamaModel:
+               weights_dtype: str = "auto", backend: str | None = None,
+               activations: str | None = None) -> LlamaModel:
     """The model alone (no tokenizer is read).
 
     `weights_dtype`: for an HF folder "auto" keeps float16/bfloat16 matrices as stored, "float32" casts
@@ -48,10 +54,18 @@ def load_model(path: str | Path | None = None, dtype: Any = DEFAULT_COMPUTE_DTYP
     stores it (block types read by the quantized kernels, F16/BF16 half), anything else ("float32", or
     "auto" with float64 compute) dequantizes it into the compute dtype: the reference."""
     if gguf_file(path) is not None:
-        return load_gguf(path, dtype, progress, backend=backend, weights_dtype=_gguf_weights(weights_dtype, dtype))[0]
-    if _quantize_to(weights_dtype) is not None:
-        return _quantized_at_load(path, dtype, backend, weights_dtype)
-    return hf.load_model(path, dtype, progress, weights_dtype, backend)
+        model = load_gguf(path, dtype, progress, backend=backend, weights_dtype=_gguf_weights(weights_dtype, dtype))[0]
+    elif _quantize_to(weights_dtype) is not None:
+        model = _quantized_at_load(path, dtype, backend, weights_dtype)
+    else:
+        model = hf.load_model(path, dtype, progress, weights_dtype, backend)
+    return _with_activations(model, activations)
+
+
+def _with_activations(model: LlamaModel, activations: str | None) -> LlamaModel:
+    if activations is not None:
+        model.set_activations(activations)
+    return model
 
 
 def _gguf_weights(weights_dtype: str, dtype: Any) -> str:

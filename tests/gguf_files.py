@@ -123,6 +123,44 @@ def random_k_blocks(rows: int, cols: int, qtype: str, rng: np.random.Generator) 
     return raw.reshape(rows, -1)
 
 
+# where each type keeps its float16 d (and dmin) in a block: (byte offset of d, offset of dmin or None)
+SCALE_FIELDS = {"Q8_0": (0, None), "Q4_0": (0, None), "Q4_1": (0, 2), "Q5_0": (0, None), "Q5_1": (0, 2),
+                "Q2_K": (80, 82), "Q3_K": (108, None), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None)}
+EXTREMES = {"max": 65504.0, "subnormal": 2.0 ** -24, "small": 1e-6}
+
+
+def blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator, scales: str) -> np.ndarray:
+    """[rows, bytes] ggml blocks: llama.cpp's encoder (simple types) or random bytes (K types), then, unless
+    `scales` is "normal", every block's d/dmin set to an extreme float16 ("mixed": a random one each)."""
+    import gguf
+
+    from kvlab.model.ggml_quants import BLOCK_SIZES
+
+    if type_name.endswith("_K"):
+        raw = random_k_blocks(rows, cols, type_name, rng)
+    else:
+        weights = rng.standard_normal((rows, cols)).astype(np.float32)
+        raw = gguf.quants.quantize(weights, gguf.GGMLQuantizationType[type_name])
+    if scales == "normal":
+        return raw
+    block, size = BLOCK_SIZES[type_name]
+    b = raw.reshape(-1, size).copy()
+    choices = np.array(list(EXTREMES.values()), dtype="<f2")
+    for field in SCALE_FIELDS[type_name]:
+        if field is None:
+            continue
+        values = rng.choice(choices, size=b.shape[0]) if scales == "mixed" else \
+            np.full(b.shape[0], EXTREMES[scales], dtype="<f2")
+        b[:, field:field + 2] = values.astype("<f2").view(np.uint8).reshape(-1, 2)
+    return b.reshape(rows, -1)
+
+
+def summation_bound(x: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Elementwise bound on float32 summation-order error: (K + 4) unit roundoffs of sum |x| |w|."""
+    return (x.shape[1] + 4) * 2.0 ** -24 * (np.abs(x).astype(np.float64) @ np.abs(weights).T) + 1e-37
+
+
+
 def write_gguf(path: Path, config: ModelConfig, *, tokenizer: str = "gpt2", pre: str = "qwen2",
                types: Sequence[str] = ("F32",), seed: int = 0, chat_template: str | None = CHAT_TEMPLATE,
                extra: Callable[[Any], None] | None = None, name: str = "kvlab test model",

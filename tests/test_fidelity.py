@@ -111,3 +111,22 @@ def test_cli_weight_fidelity_json_and_bad_type():
     assert [r["name"] for r in rows] == ["float32", "Q8_0", "Q4_1"] and rows[1]["kl_mean"] < rows[2]["kl_mean"]
     bad = subprocess.run(run[:5] + ["q8_0,q9"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "unknown weight quantization 'q9'" in bad.stderr and not bad.stdout
+
+
+def test_weight_fidelity_of_int8_activations_adds_their_rounding():
+    """"q8_0+q8" runs the quantized model with its products' inputs rounded to int8 (llama.cpp's way): the
+    same bytes as Q8_0, a larger distance from float32 than the weights alone, and a clear refusal for an
+    activation type that does not exist."""
+    from kvlab.fidelity import weight_fidelity
+    from kvlab.model.weights import random_weights
+
+    config = TinyLlama(seed=0).config.replace(intermediate_size=64)
+    weights = random_weights(config, 4, np.float32)
+    ids = np.random.default_rng(0).integers(1, config.vocab_size, size=90).tolist()
+    rows = weight_fidelity(config, weights, ids, 0, ["q8_0", "q8_0+q8"], context=32)
+    assert [r.name for r in rows] == ["float32", "Q8_0", "Q8_0+q8"]
+    _, weights_only, rounded = rows
+    assert 0 < weights_only.kl_mean < rounded.kl_mean
+    assert rounded.file_bytes_per_weight == weights_only.file_bytes_per_weight == 1.0625
+    with pytest.raises(InputError, match=r"unknown activations in 'q8_0\+q4'"):
+        weight_fidelity(config, weights, ids, 0, ["q8_0+q4"])

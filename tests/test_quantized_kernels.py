@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gguf_files import assert_cached_logits_match, random_k_blocks
+from gguf_files import assert_cached_logits_match, blocks, summation_bound
 from kvlab.kernels import AVAILABLE
 from kvlab.model.ggml_quants import BLOCK_SIZES, BLOCK_TYPES, dequantize, unpack
 from kvlab.model.qtiles import LANES, from_tiles, gather_rows, to_tiles
@@ -21,39 +21,6 @@ from kvlab.model.quantized import QuantizedMatrix
 
 gguf = pytest.importorskip("gguf")
 needs_numba = pytest.mark.skipif(not AVAILABLE, reason="numba is not installed")
-
-# where each type keeps its float16 d (and dmin) in a block: (byte offset of d, offset of dmin or None)
-SCALE_FIELDS = {"Q8_0": (0, None), "Q4_0": (0, None), "Q4_1": (0, 2), "Q5_0": (0, None), "Q5_1": (0, 2),
-                "Q2_K": (80, 82), "Q3_K": (108, None), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None)}
-EXTREMES = {"max": 65504.0, "subnormal": 2.0 ** -24, "small": 1e-6}
-
-
-def blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator, scales: str) -> np.ndarray:
-    """[rows, bytes] ggml blocks: llama.cpp's encoder (simple types) or random bytes (K types), then, unless
-    `scales` is "normal", every block's d/dmin set to an extreme float16 ("mixed": a random one each)."""
-    if type_name.endswith("_K"):
-        raw = random_k_blocks(rows, cols, type_name, rng)
-    else:
-        weights = rng.standard_normal((rows, cols)).astype(np.float32)
-        raw = gguf.quants.quantize(weights, gguf.GGMLQuantizationType[type_name])
-    if scales == "normal":
-        return raw
-    block, size = BLOCK_SIZES[type_name]
-    b = raw.reshape(-1, size).copy()
-    choices = np.array(list(EXTREMES.values()), dtype="<f2")
-    for field in SCALE_FIELDS[type_name]:
-        if field is None:
-            continue
-        values = rng.choice(choices, size=b.shape[0]) if scales == "mixed" else \
-            np.full(b.shape[0], EXTREMES[scales], dtype="<f2")
-        b[:, field:field + 2] = values.astype("<f2").view(np.uint8).reshape(-1, 2)
-    return b.reshape(rows, -1)
-
-
-def summation_bound(x: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """Elementwise bound on float32 summation-order error: (K + 4) unit roundoffs of sum |x| |w|."""
-    return (x.shape[1] + 4) * 2.0 ** -24 * (np.abs(x).astype(np.float64) @ np.abs(weights).T) + 1e-37
-
 
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(1, 40), groups=st.integers(1, 4), nibbles=st.booleans(), offsets=st.booleans(),

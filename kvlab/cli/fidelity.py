@@ -21,7 +21,7 @@ from kvlab.errors import InputError
 from kvlab.fidelity import DEFAULT_CHOICES, FidelityRow, measure_fidelity, weight_fidelity
 from kvlab.policies.parse import POLICY_FORMS
 from kvlab.loader import read_float_weights
-from kvlab.model.quantized import QUANTIZE_TYPES, quant_type
+from kvlab.model.quantized import QUANTIZE_TYPES, weight_choice
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -38,7 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--weights", metavar="TYPES", default=None,
                    help="measure weight quantization instead: GGUF types, comma-separated ("
                         + ",".join(QUANTIZE_TYPES) + "), each against the float32 weights (KL, top-1, "
-                        "perplexity, bytes per weight), as llama-perplexity --kl-divergence does")
+                        "perplexity, bytes per weight), as llama-perplexity --kl-divergence does; a type "
+                        "with +q8 (q4_0+q8) also rounds the products' inputs to int8, as llama.cpp does")
     p.add_argument("--max-tokens", type=int, default=512,
                    help="score the first N tokens of the text (default 512; 0 = all)")
     p.add_argument("--context", type=int, default=None,
@@ -62,7 +63,9 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             raise InputError("--plot needs matplotlib: pip install 'kvlab[plot]'") from None
     if args.weights is not None:
-        kinds = [quant_type(t.strip()) for t in args.weights.split(",") if t.strip()]  # refused before loading
+        kinds = [t.strip() for t in args.weights.split(",") if t.strip()]
+        for kind in kinds:
+            weight_choice(kind)  # refused before loading
         if not kinds:
             raise InputError("--weights needs at least one type, e.g. --weights q8_0,q4_0")
     model, tokenizer = kvlab.load(args.model, dtype=args.dtype)

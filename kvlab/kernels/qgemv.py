@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from kvlab.kernels.qdot import tile_dot_1, tile_dot_2, tile_dot_3, tile_dot_4
 from kvlab.kernels.qsimd import tile_product_1, tile_product_2, tile_product_3, tile_product_4
 
 FASTMATH = {"reassoc", "contract"}
@@ -89,6 +90,112 @@ def _qmatmul(x, xsum, codes, scales, offsets, t_codes, t_scales, t_offsets, grou
             product_tile(x, xsum, codes, scales, offsets, group, out, t)
         else:
             tail_rows(x, xsum, t_codes, t_scales, t_offsets, group, out, tiles * 8)
+
+
+# --- activations rounded to int8 (model/act_quant.py's mode "q8"): integer dot products (kernels/qdot.py) ---
+@njit(cache=True)
+def round_rows_into(x, group, xq, dx, qsum, fsum):
+    """x [M, K] rounded per group as model/act_quant.round_activations does (the same float32 steps):
+    xq int8 [M, K], dx [M, G] the scales, qsum int32 [M, G] the sums of xq, fsum = dx * qsum."""
+    for m in range(x.shape[0]):
+        for g in range(dx.shape[1]):
+            k0 = g * group
+            amax = np.float32(0)
+            finite = True
+            for j in range(group):
+                v = x[m, k0 + j]
+                if np.isfinite(v):
+                    amax = max(amax, abs(v))
+                else:
+                    finite = False
+            d = amax / np.float32(127)
+            inv = np.float32(0)
+            if d > 0:
+                inv = np.float32(1) / d
+            if not np.isfinite(inv):  # d underflowed: the group rounds to zero
+                inv = np.float32(0)
+                d = np.float32(0)
+            if not finite:
+                d = np.float32(np.nan)
+            total = np.int32(0)
+            for j in range(group):
+                v = x[m, k0 + j]
+                q = np.int32(0)
+                if finite:
+                    q = np.int32(min(max(np.rint(v * inv), np.float32(-127)), np.float32(127)))
+                xq[m, k0 + j] = np.int8(q)
+                total += q
+            dx[m, g] = d
+            qsum[m, g] = total
+            fsum[m, g] = d * np.float32(total)
+
+
+@njit(cache=True)
+def round_rows(x, group):
+    """(xq, dx, qsum, fsum) of `round_rows_into` for x [M, K] float32."""
+    rows, groups = x.shape[0], x.shape[1] // group
+    xq = np.empty(x.shape, dtype=np.int8)
+    dx = np.empty((rows, groups), dtype=np.float32)
+    qsum = np.empty((rows, groups), dtype=np.int32)
+    fsum = np.empty((rows, groups), dtype=np.float32)
+    round_rows_into(x, group, xq, dx, qsum, fsum)
+    return xq, dx, qsum, fsum
+
+
+@njit(cache=True, inline="always")
+def dot_tile(xq, dx, qsum, fsum, codes, scales, offsets, out, t):
+    """out[:, 8t:8t+8] = the rounded rows of x @ (tile t's eight rows).T, in integer dot products."""
+    rows = xq.shape[0]
+    m = 0
+    while m + 4 <= rows:
+        tile_dot_4(xq, m, dx, qsum, fsum, codes, scales, offsets, t, out)
+        m += 4
+    left = rows - m
+    if left == 1:
+        tile_dot_1(xq, m, dx, qsum, fsum, codes, scales, offsets, t, out)
+    elif left == 2:
+        tile_dot_2(xq, m, dx, qsum, fsum, codes, scales, offsets, t, out)
+    elif left == 3:
+        tile_dot_3(xq, m, dx, qsum, fsum, codes, scales, offsets, t, out)
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def dot_tail_rows(xq, dx, fsum, codes, scales, offsets, group, out, n0):
+    """The tail rows (fewer than eight, row-ordered) against the rounded rows: each group's sum of
+    code * q is an exact integer in float32 (below 2^24), then scaled as the tiles are."""
+    has_offsets = offsets.shape[0] > 0
+    nibbles = 2 * codes.shape[1] == scales.shape[1] * group
+    for i in range(scales.shape[0]):
+        for m in range(xq.shape[0]):
+            total = np.float32(0)
+            for g in range(scales.shape[1]):
+                dot = np.float32(0)
+                for j in range(group):
+                    dot += np.float32(xq[m, g * group + j]) * _code(codes, i, g * group + j, group, nibbles)
+                total += (scales[i, g] * dx[m, g]) * dot
+                if has_offsets:
+                    total += offsets[i, g] * fsum[m, g]
+            out[m, n0 + i] = total
+
+
+@njit(parallel=True, cache=True)
+def _qmatmul_dot(xq, dx, qsum, fsum, codes, scales, offsets, t_codes, t_scales, t_offsets, group, out):
+    tiles = codes.shape[0]
+    for t in prange(tiles + 1):
+        if t < tiles:
+            dot_tile(xq, dx, qsum, fsum, codes, scales, offsets, out, t)
+        else:
+            dot_tail_rows(xq, dx, fsum, t_codes, t_scales, t_offsets, group, out, tiles * 8)
+
+
+def qmatmul_dot(x: np.ndarray, dot_codes: np.ndarray, tiles, tail) -> np.ndarray:
+    """x [M, K] float32 rounded per group to int8, @ W.T in integer dot products: W as its dot-layout
+    codes (model/qtiles.to_dot_codes) with the tiles' scales/offsets, and the row-ordered tail."""
+    args = kernel_args(tiles, tail)
+    rows = tiles.scales.shape[0] * 8 + tail.scales.shape[0]
+    out = np.empty((x.shape[0], rows), dtype=np.float32)
+    _qmatmul_dot(*round_rows(x, tiles.group), dot_codes, *args[1:], out)
+    return out
 
 
 def group_sums(x: np.ndarray, group: int) -> np.ndarray:

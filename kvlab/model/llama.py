@@ -25,6 +25,8 @@ a float32 run of the same weights.
 
 from __future__ import annotations
 
+import hashlib
+
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -40,6 +42,7 @@ from kvlab.kernels import resolve_backend
 from kvlab.model.attention import Attention, ContiguousAttention, ObservedAttention, Observer, PagedAttention
 from kvlab.model.batch import BatchInput
 from kvlab.model.layers import rope_inv_freq
+from kvlab.model.act_quant import check_activations
 from kvlab.model.ops import Rope, make_ops
 from kvlab.model.quantized import QuantizedMatrix, stack_rows
 from kvlab.model.weights import check_weights, fingerprint, random_weights, resolve_weights_dtype
@@ -88,20 +91,31 @@ def validate_ids(ids: Any, vocab_size: int) -> np.ndarray:
     return array.astype(np.int64, copy=False)
 
 
+def _no_quantized_matrices(activations: str, source: str) -> str:
+    return (f"activations={activations!r} rounds the inputs of quantized matrices, and {source} has none: keep "
+            "a GGUF file's blocks as stored, or load with weights_dtype='q8_0' (or another block type)")
+
+
 class LlamaModel:
     """A Llama / Mistral / Qwen2 decoder in NumPy. `forward(ids, cache=..., use_cache=...)`."""
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray] | None = None,
                  dtype: object = np.float32, seed: int = 0, source: str = "weights",
-                 weights_dtype: object = None, backend: str | None = None) -> None:
+                 weights_dtype: object = None, backend: str | None = None, activations: str | None = None) -> None:
         """`weights_dtype`: None (cast to `dtype`), "auto" (keep a half-precision checkpoint as stored),
-        or "float16"/"bfloat16"; `backend`: None/"auto" (compiled where available), "numba" or "numpy"."""
+        or "float16"/"bfloat16"; `backend`: None/"auto" (compiled where available), "numba" or "numpy";
+        `activations`: None/"float32" (exact products) or "q8" (the inputs of quantized matrices rounded to
+        int8 per group, llama.cpp's way: lossy, model/act_quant.py; needs quantized weights)."""
         self.config = config
         if not isinstance(config, ModelConfig):
             raise InputError(f"config must be a ModelConfig, got {type(config).__name__}")
         self.dtype = validate.compute_dtype(dtype)
         self.backend = resolve_backend(backend)
         self.weights_dtype_request = weights_dtype
+        try:
+            self.activations = check_activations(activations)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
         self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, self.dtype)
         self._cos = self._sin = np.zeros((0, config.head_dim), dtype=self.dtype)
         self.set_weights(weights if weights is not None else random_weights(config, seed, self.dtype), source)
@@ -119,14 +133,34 @@ class LlamaModel:
         cast = {name: array if name in quantized else
                 np.ascontiguousarray(array, dtype=self.weights_dtype if array.ndim == 2 else self.dtype)
                 for name, array in used.items()}
-        self._fingerprint = fingerprint(self.config, self.dtype, cast)
+        if self.activations != "float32" and not quantized:
+            raise InputError(_no_quantized_matrices(self.activations, source))
+        self._weights_fingerprint = fingerprint(self.config, self.dtype, cast)
         self.embed = cast["model.embed_tokens.weight"]
         self.norm = cast["model.norm.weight"]
         self.lm_head = self.embed if self.config.tie_word_embeddings else cast["lm_head.weight"]  # [vocab, hidden]
         self.quantized = bool(quantized)  # GGUF blocks kept as stored: the quantized Ops (model/ops.py)
-        self.ops = make_ops(self.backend, self.config, self.dtype, self.quantized)  # the math (model/ops.py)
         self.layers = self._quantized_layers(cast) if quantized else self._fuse_layers(cast)
-        self._bound_layers = self.ops.bind(self.layers)  # the layers as the Ops class reads them
+        self._bind_ops()
+
+    def set_activations(self, activations: str | None) -> None:
+        """Round the inputs of the quantized products to int8 ("q8") or not ("float32"/None). The model's
+        fingerprint changes with it, so caches made under the other setting are refused."""
+        try:
+            name = check_activations(activations)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
+        if name != "float32" and not self.quantized:
+            raise InputError(_no_quantized_matrices(name, "this model"))
+        self.activations = name
+        self._bind_ops()
+
+    def _bind_ops(self) -> None:
+        """The math (model/ops.py) for these weights and activations, and the layers as it reads them."""
+        self._fingerprint = self._weights_fingerprint if self.activations == "float32" else hashlib.sha256(
+            f"{self._weights_fingerprint}|activations={self.activations}".encode()).hexdigest()
+        self.ops = make_ops(self.backend, self.config, self.dtype, self.quantized, self.activations)
+        self._bound_layers = self.ops.bind(self.layers)
 
     def _fuse_layers(self, cast: Mapping[str, np.ndarray]) -> list[Layer]:
         """Per-layer fused matrices, all in one buffer in the order a forward reads them.
@@ -291,7 +325,8 @@ class LlamaModel:
 
         start = time.perf_counter()
         if self.ops.compiled:
-            length = min(self.ops.max_fused_rows + 1, self.config.max_position_embeddings - 1)
+            # past the fused kernels' rows where prefill leaves them (q8 activations never do: 64 rows)
+            length = min(self.ops.max_fused_rows + 1, 64, self.config.max_position_embeddings - 1)
             cache = self.new_cache(1, kv_dtype=kv_dtype, capacity=length + 1)
             self.forward(np.zeros((1, length), dtype=np.int64), cache=cache, logits_to_keep=1)
             self.forward(np.zeros((1, 1), dtype=np.int64), cache=cache)

@@ -64,16 +64,21 @@ class _Shapes:
 
 
 class NumpyOps(_Shapes):
-    """The reference: each step is the formula from model/layers.py on whole arrays."""
+    """The reference: each step is the formula from model/layers.py on whole arrays. `activations="q8"`
+    rounds the input of every quantized product to int8 per group first (model/act_quant.py)."""
 
     compiled = False
+
+    def __init__(self, config: ModelConfig, activations: str = "float32") -> None:
+        super().__init__(config)
+        self.activations = activations
 
     def bind(self, layers: Sequence[Any]) -> list[Any]:
         return list(layers)
 
     def _linear(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
         # a quantized weight: tiles of its dequantized rows (the file's exact values) times x
-        out = w.matmul_t(x, compiled=False) if isinstance(w, QuantizedLinear) else linear(x, w)
+        out = w.matmul_t(x, False, self.activations) if isinstance(w, QuantizedLinear) else linear(x, w)
         if bias is not None:
             out += bias
         return out
@@ -180,13 +185,18 @@ class QuantizedOps(CompiledOps):
     kernels/qdecode_layer.py, two calls per layer like CompiledOps; a layer that mixes in half-precision
     matrices (an F16 tensor beside Q8_0 ones) or matrices of different types stacked by rows (RowStack)
     takes the products one by one (kernels/qgemv.py), with RMSNorm compiled and RoPE, SwiGLU in NumPy
-    between them. More rows (prefill): bands of dequantized rows and BLAS (QuantizedMatrix.matmul_t)."""
+    between them. More rows (prefill): bands of dequantized rows and BLAS (QuantizedMatrix.matmul_t).
+    `activations="q8"`: the same calls over the integer dot-product layout (kernels/qdot.py), and every
+    other quantized product's input rounded alike (model/act_quant.py)."""
 
-    def __init__(self, config: ModelConfig, dtype: np.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: np.dtype, activations: str = "float32") -> None:
         super().__init__(config, dtype)
         from kvlab.kernels import qdecode_layer, qgemv  # numba loads only for this backend
 
         self._qfused, self._kernel_args = qdecode_layer, qgemv.kernel_args
+        self.activations = activations
+        if activations == "q8":  # the integer products beat bands + BLAS at any row count: one path for all
+            self.max_fused_rows = 1 << 62
 
     def bind(self, layers: Sequence[Any]) -> list[Any]:
         from kvlab.model.quantized import QuantizedMatrix
@@ -196,7 +206,8 @@ class QuantizedOps(CompiledOps):
                                                                  layer.w_down))
 
         def args(w: Any) -> tuple:
-            return self._kernel_args(w.tiles, w.tail)
+            plain = self._kernel_args(w.tiles, w.tail)
+            return (w.dot_codes, *plain[1:]) if self.activations == "q8" else plain
 
         empty = self._empty
         return [QuantizedLayer(layer, args(layer.w_qkv), empty if layer.b_qkv is None else layer.b_qkv,
@@ -205,7 +216,7 @@ class QuantizedOps(CompiledOps):
                 for layer in layers]
 
     def _linear(self, x: np.ndarray, w: Any, bias: np.ndarray | None = None) -> np.ndarray:
-        out = w.matmul_t(x) if isinstance(w, QuantizedLinear) else self._gemv.linear(x, w)
+        out = w.matmul_t(x, True, self.activations) if isinstance(w, QuantizedLinear) else self._gemv.linear(x, w)
         if bias is not None:
             out += bias
         return out
@@ -239,9 +250,11 @@ class QuantizedOps(CompiledOps):
         x += self._linear(swiglu(gate_up[..., :inter], gate_up[..., inter:]), weights.w_down)
 
 
-def make_ops(backend: str, config: ModelConfig, dtype: np.dtype, quantized: bool = False) -> NumpyOps | CompiledOps:
+def make_ops(backend: str, config: ModelConfig, dtype: np.dtype, quantized: bool = False,
+             activations: str = "float32") -> NumpyOps | CompiledOps:
     """The Ops class of a resolved backend name ("numba" or "numpy", see kernels.resolve_backend) for the
-    model's weights: float (any float dtype) or `quantized` (GGUF block types kept as stored)."""
+    model's weights: float (any float dtype) or `quantized` (GGUF block types kept as stored), with the
+    quantized products' inputs exact ("float32") or rounded to int8 ("q8", model/act_quant.py)."""
     if backend != "numba":
-        return NumpyOps(config)
-    return QuantizedOps(config, dtype) if quantized else CompiledOps(config, dtype)
+        return NumpyOps(config, activations)
+    return QuantizedOps(config, dtype, activations) if quantized else CompiledOps(config, dtype)

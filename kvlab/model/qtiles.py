@@ -54,6 +54,15 @@ def to_tiles(u: Unpacked) -> tuple[Unpacked, Unpacked]:
     return Unpacked(codes, scales, offsets, u.group), Unpacked(tail_codes, tail_scales, tail_offsets, u.group)
 
 
+def to_dot_codes(codes: np.ndarray, groups: int) -> np.ndarray:
+    """Tiled codes [T, G * w * 8] -> [T, G, w * 8] with each group's columns in quads: per quad of four
+    columns, the eight rows' four bytes side by side ((g, j, r) -> (g, j // 4, r, j % 4)), so that one
+    32-byte load feeds one integer dot product per row (kernels/qdot.py). w = bytes a row of a group."""
+    tiles, width = codes.shape[0], codes.shape[1] // (groups * LANES)
+    shaped = codes.reshape(tiles, groups, width // 4, 4, LANES)
+    return np.ascontiguousarray(shaped.transpose(0, 1, 2, 4, 3)).reshape(tiles, groups, width * LANES)
+
+
 def row_ordered(tiled: np.ndarray | None, tail: np.ndarray | None, groups: int) -> np.ndarray | None:
     """One array (codes, scales or offsets) of (tiles, tail) back in row order [N, ...]."""
     return None if tiled is None else np.concatenate([_deinterleave(tiled, groups), tail])

@@ -14,13 +14,15 @@ row concatenation (q/k/v and gate/up are fused on load when their types agree) a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Mapping, Sequence
 
 import numpy as np
 
 from kvlab.errors import InputError
 from kvlab.model.ggml_quants import BLOCK_SIZES, Unpacked, dequantize, unpack
-from kvlab.model.qtiles import LANES, from_tiles, gather_rows, row_ordered, to_tiles
+from kvlab.model.act_quant import rounded
+from kvlab.model.qtiles import LANES, from_tiles, gather_rows, row_ordered, to_dot_codes, to_tiles
 
 MAX_KERNEL_ROWS = 16
 # Types kvlab can encode (llama.cpp's reference encoders in the gguf package); every ggml_quants type reads.
@@ -145,10 +147,26 @@ class QuantizedMatrix:
         part = self.unpacked if rows == slice(None) else self.rows(rows)
         return dequantize(part, np.dtype(dtype))
 
-    def matmul_t(self, x: np.ndarray, compiled: bool = True) -> np.ndarray:
-        """x [..., K] @ W.T -> [..., N] in x's dtype: the compiled kernel for a few rows, else tiles + BLAS."""
+    @cached_property
+    def dot_codes(self) -> np.ndarray:
+        """The tiles' codes laid out for integer dot products (qtiles.to_dot_codes): made on first use by
+        `activations="q8"`, kept beside the float layout (the prefill bands and embeddings read that)."""
+        return to_dot_codes(self.tiles.codes, self.tail.scales.shape[1])
+
+    def matmul_t(self, x: np.ndarray, compiled: bool = True, activations: str = "float32") -> np.ndarray:
+        """x [..., K] @ W.T -> [..., N] in x's dtype: the compiled kernel for a few rows, else tiles + BLAS.
+        `activations="q8"`: x rounded to int8 per group first (model/act_quant.py); compiled, any number of
+        rows then takes the integer kernel (kernels/qdot.py: at 128 rows ~2x the bands + BLAS, at 512
+        level), so a row's product does not depend on how many rows share the call; the NumPy reference
+        multiplies the rounded x by the dequantized bands."""
         flat = np.ascontiguousarray(x.reshape(-1, x.shape[-1]))
-        if compiled and flat.shape[0] <= MAX_KERNEL_ROWS and flat.dtype == np.float32:
+        if activations == "q8" and compiled and flat.dtype == np.float32:
+            from kvlab.kernels.qgemv import qmatmul_dot
+
+            out = qmatmul_dot(flat, self.dot_codes, self.tiles, self.tail)
+        elif activations == "q8":
+            out = self._tiled(rounded(flat, self.group).astype(flat.dtype, copy=False), compiled=False)
+        elif compiled and flat.shape[0] <= MAX_KERNEL_ROWS and flat.dtype == np.float32:
             from kvlab.kernels.qgemv import qmatmul
 
             out = qmatmul(flat, self.tiles, self.tail)
@@ -185,6 +203,15 @@ def quant_type(name: str) -> str:
     return name.upper()
 
 
+def weight_choice(name: str) -> tuple[str, str]:
+    """A weight choice as `kvlab fidelity --weights` names it: "q4_0" -> ("Q4_0", "float32"); "q4_0+q8" ->
+    ("Q4_0", "q8"), the products' inputs rounded to int8 too (model/act_quant.py)."""
+    kind, plus, activations = str(name).partition("+")
+    if plus and activations.lower() != "q8":
+        raise InputError(f"unknown activations in {name!r}: only '+q8' (inputs rounded to int8) follows a type")
+    return quant_type(kind), "q8" if plus else "float32"
+
+
 def quantize_weights(weights: Mapping[str, np.ndarray], type_name: str,
                      ) -> dict[str, np.ndarray | QuantizedMatrix]:
     """Every 2-D float matrix of `weights` (embeddings and LM head included, as llama-quantize does for a
@@ -212,8 +239,8 @@ class RowStack:
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
-    def matmul_t(self, x: np.ndarray, compiled: bool = True) -> np.ndarray:
-        outs = [p.matmul_t(x, compiled) if isinstance(p, QuantizedMatrix)
+    def matmul_t(self, x: np.ndarray, compiled: bool = True, activations: str = "float32") -> np.ndarray:
+        outs = [p.matmul_t(x, compiled, activations) if isinstance(p, QuantizedMatrix)
                 else np.asarray(x @ p.T.astype(x.dtype, copy=False)) for p in self.parts]
         return np.concatenate(outs, axis=-1)
 

@@ -1,0 +1,194 @@
+"""Integer dot products: activations rounded to int8 against a tile's codes, four products an instruction.
+
+The float kernels (qsimd.py) widen, convert and multiply every code by a float activation: about half an
+instruction a weight whatever its type, which bounds batch-1 decode by instructions on these CPUs and
+batch 16 by float FMAs. llama.cpp instead rounds each group of activations to int8 (one float scale a
+group) and multiplies codes by them as integers. kvlab does the same only when asked (the model's
+`activations="q8"`; kvlab/model/act_quant.py defines the rounding): the products are then exact
+integers, so the result equals `round_activations(x) @ dequantize(W).T` up to float32 summation order.
+
+Layout: the codes of a tile ([T, G, per-group bytes * 8], model/qtiles.py's `to_dot_tiles`) hold, per
+group, quads of four consecutive columns for each of the eight rows: one 32-byte load is 8 rows x 4
+columns, and `vpdpbusd` (AVX-512 VNNI / AVX-VNNI) multiplies those 32 unsigned bytes by four int8
+activations broadcast to every lane and adds each row's four products into that row's int32 lane: lanes
+are rows, as in the float kernels. vpdpbusd wants one unsigned operand: nibbles (Q4_0, Q4_1, Q4_K) are
+0..15 already (low nibbles, then `>> 4` for the high ones); int8 codes are flipped to `code + 128` by an
+XOR with 0x80, and the group's `128 * sum(q)` is taken off before the int32 sum becomes float. Per group
+and row: `total += (scale * dx) * float(dot) (+ offset * dx * sum(q))`. No int32 sum can overflow: a group
+of 32 is at most 32 * 255 * 127.
+
+Where the CPU has no VNNI (AVX2-only parts such as Zen 3), the same IR multiplies widened int32 vectors
+and adds the four columns with shuffles: exact, slower. The choice is made from the features numba
+compiles for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES or the host's).
+
+`tile_dot_R(xq, m0, dx, qsum, fsum, codes, scales, offsets, t, out)` (R = 1..4 rows of x) writes
+out[m0:m0+R, 8t:8t+8]: xq int8 [M, K], dx float32 [M, G] the groups' scales, qsum int32 [M, G] the sums
+of the int8 values, fsum float32 [M, G] = dx * qsum (read only when offsets has rows), codes int8 or
+uint8 (nibbles) [T, G, bytes], scales/offsets float32 [T, G*8] (as for the float kernels).
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils, config
+from numba.extending import intrinsic
+
+LANES = 8
+QUAD = 4  # columns per int32 lane of one vpdpbusd
+UNROLL = 2  # independent accumulators per row of x (the quad loop steps by this)
+_I8 = ir.IntType(8)
+_I32 = ir.IntType(32)
+_F32 = ir.FloatType()
+_V8F = ir.VectorType(_F32, LANES)
+_V8I32 = ir.VectorType(_I32, LANES)
+_V32I8 = ir.VectorType(_I8, LANES * QUAD)
+_V32I32 = ir.VectorType(_I32, LANES * QUAD)
+
+
+def _target_features() -> str:
+    """The feature string numba compiles for ('+avx2,+avx512vnni,...')."""
+    if config.CPU_FEATURES:
+        return config.CPU_FEATURES
+    if config.CPU_NAME and config.CPU_NAME != "host":
+        return ""
+    import llvmlite.binding as llvm
+
+    return llvm.get_host_cpu_features().flatten()
+
+
+def has_vnni() -> bool:
+    """Whether vpdpbusd on ymm registers is available to compiled code (AVX-512 VNNI + VL, or AVX-VNNI)."""
+    features = set(_target_features().split(","))
+    return "+avxvnni" in features or {"+avx512vnni", "+avx512vl"} <= features
+
+
+VNNI = has_vnni()
+
+
+def _splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.Value:
+    one = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined),
+                                  ir.Constant(ir.VectorType(_I32, vector.count), [0] * vector.count))
+
+
+def _dpbusd(builder: ir.IRBuilder, acc: ir.Value, codes: ir.Value, x4: ir.Value) -> ir.Value:
+    """acc[r] + sum_{c<4} codes[4r + c] (unsigned) * x4 bytes[c] (signed), per int32 lane r."""
+    x4v = _splat(builder, x4, _V8I32)
+    if VNNI:
+        module = builder.module
+        name = "llvm.x86.avx512.vpdpbusd.256"
+        fn = module.globals.get(name) or ir.Function(module, ir.FunctionType(_V8I32, [_V8I32] * 3), name=name)
+        return builder.call(fn, [acc, builder.bitcast(codes, _V8I32), x4v])
+    wide = builder.mul(builder.zext(codes, _V32I32), builder.sext(builder.bitcast(x4v, _V32I8), _V32I32))
+    for c in range(QUAD):
+        column = builder.shuffle_vector(wide, wide, ir.Constant(_V8I32, [QUAD * r + c for r in range(LANES)]))
+        acc = builder.add(acc, column)
+    return acc
+
+
+def _load(builder: ir.IRBuilder, base: ir.Value, index: ir.Value, ty: ir.Type) -> ir.Value:
+    return builder.load(builder.bitcast(builder.gep(base, [index]), ty.as_pointer()), align=1)
+
+
+def _make_tile_dot(rows: int):
+
+    @intrinsic
+    def tile_dot(typingctx, xq, m0, dx, qsum, fsum, codes, scales, offsets, t, out):
+        signed = codes.dtype == types.int8
+        if not signed and codes.dtype != types.uint8:
+            return None
+        sig = types.void(xq, m0, dx, qsum, fsum, codes, scales, offsets, t, out)
+
+        def codegen(context, builder, signature, args):
+            xa, m0v, dxa, qsa, fsa, ca, sa, oa, tv, outa = args
+            xs, dxs, qss, fss, cs, ss, os_, outs = [
+                cgutils.create_struct_proxy(ty)(context, builder, value=v)
+                for ty, v in zip([signature.args[i] for i in (0, 2, 3, 4, 5, 6, 7, 9)],
+                                 (xa, dxa, qsa, fsa, ca, sa, oa, outa))]
+            intp = context.get_value_type(types.intp)
+
+            def const(v: int) -> ir.Value:
+                return ir.Constant(intp, v)
+
+            width = cgutils.unpack_tuple(builder, xs.shape)[1]
+            _, n_groups, group_bytes = cgutils.unpack_tuple(builder, cs.shape)
+            scale_row = cgutils.unpack_tuple(builder, ss.shape)[1]
+            sum_row = cgutils.unpack_tuple(builder, dxs.shape)[1]
+            n_out = cgutils.unpack_tuple(builder, outs.shape)[1]
+            has_offsets = builder.icmp_signed(">", cgutils.unpack_tuple(builder, os_.shape)[0], const(0))
+            m0_v = builder.sext(m0v, intp) if m0v.type != intp else m0v
+            t_v = builder.sext(tv, intp) if tv.type != intp else tv
+            quads = builder.udiv(group_bytes, const(LANES * QUAD))
+            group = builder.udiv(group_bytes, const(LANES if signed else LANES // 2))  # columns a group
+            half = builder.lshr(group, const(1))
+            code_base = builder.gep(cs.data, [builder.mul(builder.mul(t_v, n_groups), group_bytes)])
+            scale_base = builder.gep(ss.data, [builder.mul(t_v, scale_row)])
+            offset_base = builder.gep(os_.data, [builder.mul(t_v, scale_row)])
+            row_ix = [builder.add(m0_v, const(i)) for i in range(rows)]
+            x_rows = [builder.gep(xs.data, [builder.mul(r, width)]) for r in row_ix]
+            sum_ix = [builder.mul(r, sum_row) for r in row_ix]
+            zero_i = ir.Constant(_V8I32, [0] * LANES)
+            zero_f = ir.Constant(_V8F, [0.0] * LANES)
+            total = [cgutils.alloca_once_value(builder, zero_f) for _ in range(rows)]
+            acc = [[cgutils.alloca_once_value(builder, zero_i) for _ in range(UNROLL)] for _ in range(rows)]
+            flip = ir.Constant(_V32I8, [0x80] * (LANES * QUAD))
+            low_mask = ir.Constant(_V32I8, [0x0F] * (LANES * QUAD))
+            four = ir.Constant(_V32I8, [4] * (LANES * QUAD))
+            with cgutils.for_range(builder, n_groups) as g_loop:
+                g = g_loop.index
+                for row_acc in acc:
+                    for a in row_acc:
+                        builder.store(zero_i, a)
+                codes_g = builder.gep(code_base, [builder.mul(g, group_bytes)])
+                k0 = builder.mul(g, group)
+                with cgutils.for_range(builder, builder.udiv(quads, const(UNROLL))) as q_loop:
+                    for u in range(UNROLL):
+                        q = builder.add(builder.mul(q_loop.index, const(UNROLL)), const(u))
+                        raw = _load(builder, codes_g, builder.mul(q, const(LANES * QUAD)), _V32I8)
+                        k = builder.add(k0, builder.mul(q, const(QUAD)))
+                        if signed:
+                            parts = [(builder.xor(raw, flip), k)]
+                        else:
+                            parts = [(builder.and_(raw, low_mask), k), (builder.lshr(raw, four), builder.add(k, half))]
+                        for i in range(rows):
+                            a = acc[i][u]
+                            value = builder.load(a)
+                            for codes4, kk in parts:
+                                x4 = _load(builder, x_rows[i], kk, _I32)
+                                value = _dpbusd(builder, value, codes4, x4)
+                            builder.store(value, a)
+                lane0 = builder.mul(g, const(LANES))
+                scale = _load(builder, scale_base, lane0, _V8F)
+                for i in range(rows):
+                    dot = builder.load(acc[i][0])
+                    for a in acc[i][1:]:
+                        dot = builder.add(dot, builder.load(a))
+                    at = builder.add(sum_ix[i], g)
+                    if signed:  # the codes went in as code + 128
+                        qs = builder.load(builder.gep(qss.data, [at]))
+                        dot = builder.sub(dot, _splat(builder, builder.shl(qs, ir.Constant(_I32, 7)), _V8I32))
+                    dxi = _splat(builder, builder.load(builder.gep(dxs.data, [at])), _V8F)
+                    scaled = builder.fmul(scale, dxi)
+                    builder.store(builder.fadd(builder.load(total[i]), builder.fmul(scaled, builder.sitofp(dot, _V8F))),
+                                  total[i])
+                with builder.if_then(has_offsets, likely=True):
+                    offset = _load(builder, offset_base, lane0, _V8F)
+                    for i in range(rows):
+                        fs = _splat(builder, builder.load(builder.gep(fss.data, [builder.add(sum_ix[i], g)])), _V8F)
+                        builder.store(builder.fadd(builder.load(total[i]), builder.fmul(offset, fs)), total[i])
+            n0 = builder.mul(t_v, const(LANES))
+            for i in range(rows):
+                row = builder.gep(outs.data, [builder.add(builder.mul(row_ix[i], n_out), n0)])
+                builder.store(builder.load(total[i]), builder.bitcast(row, _V8F.as_pointer()), align=1)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile_dot
+
+
+tile_dot_1 = _make_tile_dot(1)
+tile_dot_2 = _make_tile_dot(2)
+tile_dot_3 = _make_tile_dot(3)
+tile_dot_4 = _make_tile_dot(4)

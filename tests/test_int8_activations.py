@@ -1,0 +1,247 @@
+"""`activations="q8"`: the inputs of quantized products rounded to int8 per group, integer dot products.
+
+The rounding (model/act_quant.py) is held to its definition; its compiled twin to its bits; the integer
+kernels (kernels/qdot.py, with VNNI and through the generic IR) and the prefill path to `rounded(x) @
+dequantize(W).T` within float32 summation error for every block type; a model in the mode to the NumPy
+reference model in the same mode; and the mode is refused where it means nothing, and keeps its caches
+apart from the exact model's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from gguf_files import blocks
+from kvlab.errors import CacheMismatchError, InputError
+from kvlab.kernels import AVAILABLE
+from kvlab.model.act_quant import round_activations, rounded
+from kvlab.model.ggml_quants import BLOCK_SIZES, BLOCK_TYPES, Unpacked, dequantize, unpack
+from kvlab.model.qtiles import LANES, to_dot_codes
+from kvlab.model.quantized import QuantizedMatrix
+
+gguf = pytest.importorskip("gguf")
+needs_numba = pytest.mark.skipif(not AVAILABLE, reason="numba is not installed")
+U = 2.0 ** -24
+
+finite_floats = st.floats(-2.0 ** 100, 2.0 ** 100, width=32, allow_subnormal=True)
+any_floats = st.one_of(finite_floats, st.sampled_from([np.inf, -np.inf, np.nan, 0.0, -0.0, 1e-40, 3e-38]))
+
+
+def activation_rows(elements: st.SearchStrategy) -> st.SearchStrategy:
+    return st.integers(1, 5).flatmap(lambda rows: st.sampled_from([16, 32]).flatmap(
+        lambda group: st.tuples(hnp.arrays(np.float32, (rows, group * 3), elements=elements), st.just(group))))
+
+
+# --- the rounding --------------------------------------------------------------------------------------
+@settings(max_examples=80, deadline=None)
+@given(case=activation_rows(finite_floats))
+def test_rounding_is_llama_cpps_q8_per_group(case):
+    """q in [-127, 127], the group's largest magnitude at +-127, every value within half a step (plus
+    float32 rounding of x / d) of q * d; an all-zero or underflowing group is zero."""
+    x, group = case
+    q, d = round_activations(x, group)
+    assert q.dtype == np.int8 and d.dtype == np.float32 and d.shape == (x.shape[0], x.shape[1] // group)
+    assert np.abs(q.astype(np.int16)).max() <= 127
+    xg = x.reshape(x.shape[0], -1, group).astype(np.float64)
+    qg = q.reshape(xg.shape).astype(np.float64)
+    amax = np.abs(xg).max(axis=-1)
+    live = d > 0
+    assert np.all(np.abs(qg).max(axis=-1)[live] == 127)
+    step = d.astype(np.float64)[..., None]
+    assert np.all((np.abs(xg - qg * step) <= step * (0.5 + 1e-5))[live])
+    assert np.all(qg[~live] == 0) and np.all(amax[~live] < 128 * 2.0 ** -126)
+
+
+def test_a_non_finite_value_makes_its_group_nan_and_leaves_the_others():
+    x = np.array([[1.0] * 16 + [np.nan] + [2.0] * 15, [np.inf] + [0.5] * 31]).astype(np.float32)
+    x = np.concatenate([x, np.ones((2, 32), np.float32)], axis=1)
+    back = rounded(x, 32)
+    assert np.isnan(back[:, :32]).all() and np.array_equal(back[:, 32:], np.ones((2, 32), np.float32))
+
+
+@needs_numba
+@settings(max_examples=80, deadline=None)
+@given(case=activation_rows(any_floats))
+def test_compiled_rounding_has_the_references_bits(case):
+    from kvlab.kernels.qgemv import round_rows
+
+    x, group = case
+    q, d = round_activations(x, group)
+    xq, dx, qsum, fsum = round_rows(x, group)
+    assert np.array_equal(xq, q) and np.array_equal(dx, d, equal_nan=True)
+    assert np.array_equal(qsum, q.reshape(*d.shape, group).astype(np.int32).sum(axis=-1))
+    assert np.array_equal(fsum, d * qsum.astype(np.float32), equal_nan=True)
+
+
+# --- the integer products ---------------------------------------------------------------------------------
+def absolute_terms(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """|scale * code| + |offset| per weight: what a product's rounding errors scale with (offsets are
+    added per group, so cancellation inside a weight does not shrink them)."""
+    u = unpack(type_name, raw, shape)
+    terms = np.abs(dequantize(Unpacked(u.codes, np.abs(u.scales), None, u.group)).astype(np.float64))
+    if u.offsets is not None:
+        terms += np.repeat(np.abs(u.offsets).astype(np.float64), u.group, axis=1)
+    return terms
+
+
+@needs_numba
+@settings(max_examples=60, deadline=None)
+@given(type_name=st.sampled_from(BLOCK_TYPES), out=st.integers(1, 40), n_blocks=st.integers(1, 3),
+       rows=st.integers(1, 20), scales=st.sampled_from(["normal", "max", "subnormal", "small", "mixed"]),
+       seed=st.integers(0, 2**16))
+def test_each_block_types_integer_product_equals_rounded_x_times_dequantized_w(type_name, out, n_blocks, rows,
+                                                                             scales, seed):
+    """<= 16 rows: the integer kernel (tiles and the row-ordered tail); > 16: rounded x and the prefill
+    bands; both within float32 summation error of the float64 product of the rounded x and the file's
+    dequantized values, elementwise; and the NumPy path agrees too."""
+    rng = np.random.default_rng(seed)
+    cols = n_blocks * BLOCK_SIZES[type_name][0]
+    raw = blocks(type_name, out, cols, rng, scales)
+    matrix = QuantizedMatrix.from_blocks(type_name, raw, (out, cols))
+    x = (rng.standard_normal((rows, cols)) * rng.choice([1e-3, 1.0, 1e3])).astype(np.float32)
+    xr = rounded(x, matrix.group).astype(np.float64)
+    want = xr @ matrix.dequantize(np.float64).T
+    bound = (cols + 8) * U * (np.abs(xr) @ absolute_terms(type_name, raw, (out, cols)).T) + 1e-37
+    for compiled in (True, False):
+        got = matrix.matmul_t(x, compiled, "q8")
+        assert got.dtype == np.float32 and got.shape == (rows, out)
+        assert np.all(np.abs(got - want) <= bound), (compiled, float(np.abs(got - want).max()))
+
+
+@settings(max_examples=30, deadline=None)
+@given(tiles=st.integers(1, 3), groups=st.integers(1, 3), nibbles=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_dot_layout_puts_four_columns_of_each_row_in_one_lane(tiles, groups, nibbles, seed):
+    """Byte (g, q, r, c) of a tile's dot codes is row r's byte for column 4q + c of group g."""
+    width = 16 if nibbles else 32
+    codes = np.random.default_rng(seed).integers(0, 256, (tiles, groups * width * LANES), dtype=np.uint8)
+    dot = to_dot_codes(codes, groups)
+    assert dot.shape == (tiles, groups, width * LANES)
+    by_row = codes.reshape(tiles, groups, width, LANES)   # (t, g, column, row)
+    quads = dot.reshape(tiles, groups, width // 4, LANES, 4)   # (t, g, quad, row, column in quad)
+    for column in range(width):
+        assert np.array_equal(quads[:, :, column // 4, :, column % 4], by_row[:, :, column, :])
+
+
+@needs_numba
+@pytest.mark.parametrize("vnni", [True, False])
+def test_both_code_paths_of_the_integer_kernel(monkeypatch, vnni):
+    """The VNNI instruction (where the CPU has it) and the generic IR for CPUs without: each compiled
+    here afresh, each equal to the reference, and the assembly holds vpdpbusd exactly when asked."""
+    from numba import njit
+
+    from kvlab.kernels import qdot
+    from kvlab.kernels.qgemv import round_rows
+
+    if vnni and not qdot.has_vnni():
+        pytest.skip("the CPU has no AVX-512 VNNI / AVX-VNNI")
+    monkeypatch.setattr(qdot, "VNNI", vnni)
+
+    @njit  # not cached: compiled with the flag as set now
+    def first_tile(xq, dx, qsum, fsum, codes, scales, offsets, out):
+        qdot.tile_dot_2(xq, 0, dx, qsum, fsum, codes, scales, offsets, 0, out)
+
+    rng = np.random.default_rng(1)
+    for type_name in ("Q8_0", "Q4_1", "Q6_K"):
+        raw = blocks(type_name, 8, 256, rng, "normal")
+        matrix = QuantizedMatrix.from_blocks(type_name, raw, (8, 256))
+        x = rng.standard_normal((2, 256)).astype(np.float32)
+        out = np.empty((2, 8), dtype=np.float32)
+        offsets = matrix.tiles.offsets if matrix.tiles.offsets is not None else np.zeros((0, 0), np.float32)
+        first_tile(*round_rows(x, matrix.group), matrix.dot_codes, matrix.tiles.scales, offsets, out)
+        want = rounded(x, matrix.group).astype(np.float64) @ matrix.dequantize(np.float64).T
+        assert np.allclose(out, want, rtol=1e-5, atol=1e-6 * np.abs(want).max()), type_name
+        asm = "\n".join(first_tile.inspect_asm().values())
+        assert ("vpdpbusd" in asm) == vnni
+
+
+# --- a model in the mode ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def q4_1_file(tmp_path_factory):
+    from gguf_files import small_config, write_gguf
+
+    path = tmp_path_factory.mktemp("q8act") / "m.gguf"
+    write_gguf(path, small_config("llama", max_position_embeddings=128), types=("Q4_1", "Q8_0"))
+    return path
+
+
+def logit_gap(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / (np.abs(b).max() + 1))
+
+
+@needs_numba
+def test_a_model_in_the_mode_agrees_with_the_numpy_reference_to_the_rounding_it_adds(q4_1_file):
+    """Compiled (integer kernels on every path) against the NumPy reference in the same mode, over a full
+    forward and a cached prefill + one-token steps. The paths compute the rounding's input (norms,
+    attention) in different float32 orders, so a value on a rounding boundary can round the other way,
+    and from there the two paths round differently: they agree to the size of the rounding itself, not to
+    float32. So: the gap between them is at most twice the reference's own distance from the exact model,
+    and that distance is real (the mode rounds: > 1e-3 of the logit scale), where a wrong scale or code
+    would be of the order of the logits."""
+    import kvlab
+
+    reference, tokenizer = kvlab.load(q4_1_file, weights_dtype="stored", backend="numpy", activations="q8")
+    model, _ = kvlab.load(q4_1_file, backend="numba", activations="q8")
+    exact, _ = kvlab.load(q4_1_file, weights_dtype="float32", backend="numpy")
+    assert model.activations == "q8" and exact.activations == "float32"
+    ids = np.array([tokenizer.encode("The quick brown fox jumps over the lazy dog")[:12]])
+    ids = np.concatenate([ids, kvlab.generate(exact, ids, 40)], axis=1)
+    want = reference.forward(ids).logits
+    rounding = logit_gap(exact.forward(ids).logits, want)
+    assert rounding > 1e-3
+    assert logit_gap(model.forward(ids).logits, want) <= 2 * rounding
+    cache = model.new_cache(1)
+    steps = [model.forward(ids[:, :3], cache=cache).logits]
+    steps += [model.forward(ids[:, i:i + 1], cache=cache).logits for i in range(3, ids.shape[1])]
+    assert logit_gap(np.concatenate(steps, axis=1), want) <= 2 * rounding
+    # a row's integer products do not depend on the rows beside it: one step of a batch is the same step alone
+    batch = model.forward(np.repeat(ids[:, :9], 3, axis=0)).logits
+    assert np.array_equal(batch[0], batch[2]) and np.array_equal(batch[0], model.forward(ids[:, :9]).logits[0])
+
+
+@needs_numba
+def test_the_engine_serves_a_model_in_the_mode(q4_1_file):
+    import kvlab
+
+    model, _ = kvlab.load(q4_1_file, backend="numba", activations="q8")
+    prompts = [[1, 5, 9, 13, 2, 7, 11], [1, 5, 9, 13, 2, 7, 11, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 4]]
+    engine = kvlab.Engine(model, block_size=4, num_blocks=32)
+    outputs = engine.generate(prompts, kvlab.SamplingParams(max_tokens=16))
+    again = kvlab.Engine(model, block_size=4, num_blocks=32).generate(prompts, kvlab.SamplingParams(max_tokens=16))
+    for output, repeat in zip(outputs, again):
+        assert len(output.outputs[0].token_ids) == 16 and output.outputs[0].finish_reason == "length"
+        assert output.outputs[0].token_ids == repeat.outputs[0].token_ids
+
+
+@needs_numba
+def test_the_mode_has_its_own_fingerprint_and_refuses_the_exact_models_cache(q4_1_file):
+    import kvlab
+
+    model, _ = kvlab.load(q4_1_file, backend="numba")
+    exact_print = model.fingerprint
+    ids = np.array([[1, 2, 3, 4]])
+    cache = model.forward(ids, use_cache=True).cache
+    model.set_activations("q8")
+    assert model.fingerprint != exact_print
+    with pytest.raises(CacheMismatchError):
+        model.forward(ids[:, :1], cache=cache)
+    assert cache.get_seq_length() == 4
+    model.set_activations(None)
+    assert model.fingerprint == exact_print and model.activations == "float32"
+
+
+def test_the_mode_is_refused_where_it_means_nothing_or_is_misspelt(q4_1_file):
+    import kvlab
+
+    with pytest.raises(InputError, match="has none"):
+        kvlab.TinyLlama(seed=7).set_activations("q8")
+    with pytest.raises(InputError, match="has none"):
+        kvlab.load(q4_1_file, weights_dtype="float32", activations="q8")
+    model, _ = kvlab.load(q4_1_file, backend="numpy")
+    before = model.fingerprint
+    with pytest.raises(InputError, match="unknown activations 'int4'"):
+        model.set_activations("int4")
+    assert model.activations == "float32" and model.fingerprint == before
