@@ -4,7 +4,9 @@ For every file (by default F16, Q8_0, Q4_0, Q4_1, Q4_K_M of one model), three en
 by round and context by context, so drift on a shared machine hits all alike:
 
   * kvlab with the weights as stored (`kvlab.load(path, weights_dtype="stored")`: half or quantized blocks
-    read by whatever kernels this checkout has) and dequantized (`weights_dtype="float32"`, the reference);
+    read by whatever kernels this checkout has), the same with the quantized products' inputs rounded to
+    int8 as llama.cpp rounds them (`activations="q8"`, integer dot products; block-type files only), and
+    dequantized (`weights_dtype="float32"`, the reference);
   * llama.cpp's own `llama-bench` on the same file, the same thread count (tg at depth = context, and pp);
     without llama-bench, llama.cpp through llama-cpp-python in a worker process, timed as kvlab is.
 
@@ -53,6 +55,7 @@ CHECK_TEXT = Path(__file__).resolve().parent.parent / "kvlab" / "models" / "shak
 # The bounds are a few times above that; a file llama.cpp misread (rows out of order, wrong scales) would
 # give differences of the order of the logits themselves.
 CHECK_RELATIVE = 0.3
+ENGINES = ("kvlab stored", "kvlab q8", "kvlab float32", "llama.cpp")
 CHECK_TOP1 = 0.8
 
 
@@ -241,6 +244,8 @@ def main() -> None:
         stored, tokenizer = kvlab.load(path, weights_dtype="stored")
         reference, _ = kvlab.load(path, weights_dtype="float32")
         models[kind] = {"stored": stored, "float32": reference}
+        if stored.quantized:  # llama.cpp's own arithmetic on such a file: activations rounded to int8
+            models[kind]["q8"] = kvlab.load(path, weights_dtype="stored", activations="q8")[0]
         con.print(f"loaded {kind}: {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     config = next(iter(models.values()))["float32"].config
     rng = np.random.default_rng(0)
@@ -269,7 +274,7 @@ def main() -> None:
         con.print(f"round {round_number + 1}/{ARGS.repeats}: streaming read {bandwidths[-1] / 1e9:.1f} GB/s")
         for kind, pair in models.items():
             for context in ARGS.contexts:
-                for engine in ("stored", "float32"):
+                for engine in pair:
                     prefill, decode = kvlab_run(pair[engine], prompts[context], ARGS.steps)
                     note((kind, f"kvlab {engine}", context), decode, prefill)
                 if peer is not None:
@@ -290,15 +295,18 @@ def main() -> None:
         else:
             text_ids = tokenizer.encode(CHECK_TEXT.read_text(encoding="utf-8"), add_bos=False)
             ids = [int(tokenizer.bos_token_id)] + [int(t) for t in text_ids[:ARGS.check_tokens - 1]]
-            checked = [(f"{kind}: {path.name}", path, models[kind]["float32"]) for kind, path in files.items()]
+            checked = [(f"{kind}: {path.name}", path, models[kind]) for kind, path in files.items()]
             checked += [(f"kvlab quantize: {path.name}", path, None) for path in kvlab_files(ARGS.kvlab_files)]
-            for label, path, reference in checked:
-                want = (reference or kvlab.load(path, weights_dtype="float32")[0]).forward([ids]).logits[0]
+            for label, path, pair in checked:
+                reference = pair["float32"] if pair else kvlab.load(path, weights_dtype="float32")[0]
                 worker = llama_cpp_peer.LlamaCppWorker(path, ARGS.threads, len(ids) + 8, env, logits_all=True)
                 try:
-                    agreement[label] = {"file": str(path), **logits_agreement(worker.all_logits(ids), want)}
+                    llama = worker.all_logits(ids)
                 finally:
                     worker.close()
+                agreement[label] = {"file": str(path), **logits_agreement(llama, reference.forward([ids]).logits[0])}
+                if pair and "q8" in pair:  # the same rounding of activations as llama.cpp: how much closer
+                    agreement[label]["q8"] = logits_agreement(llama, pair["q8"].forward([ids]).logits[0])
     same_bytes = {}  # each kvlab file against the bench's file of the same type, tensor by tensor
     for path in kvlab_files(ARGS.kvlab_files):
         kind = next((k for k in files if path.name.lower().endswith(f"{k}.gguf".lower())), None)
@@ -334,7 +342,7 @@ def build_report(files, models, best, bandwidth, bandwidths, stored_error, agree
         type_k, type_v = cache_types.get(kind, ("f16", "f16"))
         for context in ARGS.contexts:
             row = {"type": kind, "file": str(path), "file_mib": path.stat().st_size / 2**20, "context": context}
-            for engine in ("kvlab stored", "kvlab float32", "llama.cpp"):
+            for engine in ENGINES:
                 measured = best.get((kind, engine, context), {})
                 if "decode" not in measured:
                     continue
@@ -349,7 +357,7 @@ def build_report(files, models, best, bandwidth, bandwidths, stored_error, agree
             rows.append(row)
         for tokens in ARGS.prefill:
             row = {"type": kind, "tokens": tokens}
-            for engine in ("kvlab stored", "kvlab float32", "llama.cpp"):
+            for engine in ENGINES:
                 measured = best.get((kind, engine, tokens), {})
                 if "prefill" in measured:
                     row[engine] = {"prefill_s": measured["prefill"], "tokens_per_s": tokens / measured["prefill"]}
@@ -380,19 +388,19 @@ def render_markdown(report: dict) -> str:
              + ", ".join(f"{b / 1e9:.1f}" for b in report["bandwidths"]) + f"), load average {load:.1f} at the end; "
              f"{report['llama_cpp']}.", "",
              "Decode tokens/s (x the roofline of the bytes that engine reads per step):", "",
-             "| file | MiB | context | kvlab stored | kvlab float32 | llama.cpp | stored / llama.cpp |",
-             "|---|---|---|---|---|---|---|"]
+             "| file | MiB | context | kvlab stored | kvlab q8 | kvlab float32 | llama.cpp | stored / llama.cpp "
+             "| q8 / llama.cpp |", "|---|---|---|---|---|---|---|---|---|"]
     for row in report["decode"]:
         lines.append(f"| {row['type']} | {row['file_mib']:.0f} | {row['context']} | {_cell(row, 'kvlab stored')} | "
-                     f"{_cell(row, 'kvlab float32')} | {_cell(row, 'llama.cpp')} | "
-                     f"{_ratio(row, 'kvlab stored', 'llama.cpp')} |")
+                     f"{_cell(row, 'kvlab q8')} | {_cell(row, 'kvlab float32')} | {_cell(row, 'llama.cpp')} | "
+                     f"{_ratio(row, 'kvlab stored', 'llama.cpp')} | {_ratio(row, 'kvlab q8', 'llama.cpp')} |")
     lines += ["", "Prefill tokens/s (a prompt from an empty cache):", "",
-              "| file | prompt | kvlab stored | kvlab float32 | llama.cpp | stored / llama.cpp |", "|---|---|---|---|---|---|"]
+              "| file | prompt | kvlab stored | kvlab q8 | kvlab float32 | llama.cpp | stored / llama.cpp "
+              "| q8 / llama.cpp |", "|---|---|---|---|---|---|---|---|"]
     for row in report["prefill"]:
-        cells = [f"{row[e]['tokens_per_s']:.0f}" if row.get(e) else "-"
-                 for e in ("kvlab stored", "kvlab float32", "llama.cpp")]
+        cells = [f"{row[e]['tokens_per_s']:.0f}" if row.get(e) else "-" for e in ENGINES]
         lines.append(f"| {row['type']} | {row['tokens']} | {' | '.join(cells)} | "
-                     f"{_ratio(row, 'kvlab stored', 'llama.cpp')} |")
+                     f"{_ratio(row, 'kvlab stored', 'llama.cpp')} | {_ratio(row, 'kvlab q8', 'llama.cpp')} |")
     lines += ["", "kvlab stored vs kvlab float32 on the same file, max |logit diff| / (max |logit| + 1), 16 tokens: "
               + ", ".join(f"{k} {v:.1e}" for k, v in report["stored_vs_float32_relative_error"].items())]
     check = report["logits_check"]
@@ -400,11 +408,13 @@ def render_markdown(report: dict) -> str:
         lines += ["", f"llama.cpp's logits vs kvlab float32 on the same file, every position of {check['tokens']} "
                   f"tokens of real text (pass: relative <= {check['tolerance_relative']}, top-1 >= "
                   f"{check['tolerance_top1']}):", "",
-                  "| file | max abs diff | max abs logit | relative | top-1 agree | pass |", "|---|---|---|---|---|---|"]
+                  "| file | max abs diff | max abs logit | relative | top-1 agree | pass | vs kvlab q8: relative, "
+                  "top-1 |", "|---|---|---|---|---|---|---|"]
         for label, r in check["files"].items():
             ok = r["relative"] <= check["tolerance_relative"] and r["top1"] >= check["tolerance_top1"]
+            q8 = f"{r['q8']['relative']:.4f}, {100 * r['q8']['top1']:.1f}%" if "q8" in r else "-"
             lines.append(f"| {label} | {r['max_abs']:.3f} | {r['max_logit']:.1f} | {r['relative']:.4f} | "
-                         f"{100 * r['top1']:.1f}% | {'yes' if ok else 'NO'} |")
+                         f"{100 * r['top1']:.1f}% | {'yes' if ok else 'NO'} | {q8} |")
     else:
         lines += ["", f"llama.cpp logits check: {report['llama_cpp_logits']}"]
     for name, r in report.get("kvlab_files_vs_peer_files", {}).items():
@@ -420,15 +430,15 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     contexts = sorted({r["context"] for r in report["decode"]})
-    engines = ("kvlab stored", "kvlab float32", "llama.cpp")
+    engines = ENGINES
     fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 4.5), squeeze=False)
     for ax, context in zip(axes[0], contexts):
         rows = [r for r in report["decode"] if r["context"] == context]
-        for i, (engine, color) in enumerate(zip(engines, ("tab:blue", "tab:orange", "tab:green"))):
-            xs = [j + (i - 1) * 0.27 for j, r in enumerate(rows) if r.get(engine)]
+        for i, (engine, color) in enumerate(zip(engines, ("tab:blue", "tab:purple", "tab:orange", "tab:green"))):
+            xs = [j + (i - 1.5) * 0.2 for j, r in enumerate(rows) if r.get(engine)]
             if not xs:
                 continue
-            ax.bar(xs, [r[engine]["tokens_per_s"] for r in rows if r.get(engine)], 0.25, label=engine, color=color)
+            ax.bar(xs, [r[engine]["tokens_per_s"] for r in rows if r.get(engine)], 0.19, label=engine, color=color)
             ax.scatter(xs, [1 / r[engine]["roofline_s"] for r in rows if r.get(engine)], marker="_", s=200,
                        color="black", label="roofline (its bytes)" if i == 0 else None)
         ax.set_xticks(range(len(rows)), [r["type"] for r in rows])

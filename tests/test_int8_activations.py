@@ -245,3 +245,19 @@ def test_the_mode_is_refused_where_it_means_nothing_or_is_misspelt(q4_1_file):
     with pytest.raises(InputError, match="unknown activations 'int4'"):
         model.set_activations("int4")
     assert model.activations == "float32" and model.fingerprint == before
+
+
+def test_the_cli_takes_the_mode_and_refuses_it_for_a_float_model(q4_1_file):
+    """`kvlab generate --activations q8` on a GGUF file of block types writes tokens; on the shipped float
+    model it stops with the reason, before generating anything."""
+    import subprocess
+    import sys
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "kvlab", "generate", *args], capture_output=True, text=True,
+                              timeout=600)
+
+    ok = run("--model", str(q4_1_file), "--activations", "q8", "-n", "4", "--temperature", "0", "hello")
+    assert ok.returncode == 0 and "decode 4 tokens" in ok.stderr, ok.stderr
+    refused = run("--activations", "q8", "-n", "4", "ROMEO:")
+    assert refused.returncode == 2 and "has none" in refused.stderr and not refused.stdout

@@ -16,6 +16,7 @@ from typing import Any, Iterator, TextIO
 
 from kvlab.cli.checks import check_sampling_flags, draw_seed, drawn_seed_note
 from kvlab.cli.fmt import human_bytes
+from kvlab.cli.model_flags import add_activations_flag
 from kvlab.cli.sampling_flags import add_sampling_flags, sampling_settings
 from kvlab.sampling.defaults import ResolvedSampling
 from kvlab.errors import InputError, KVLabError
@@ -52,6 +53,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(default: the model's; quantized caches cannot be /save'd)")
     p.add_argument("--system", default=None, help="a system message (plain continuation: leading text)")
     p.add_argument("--history", metavar="FILE", default=None, help="keep readline history in FILE (TTY)")
+    add_activations_flag(p)
     p.set_defaults(run=run)
 
 
@@ -65,7 +67,7 @@ def load_model(args: argparse.Namespace) -> tuple[LlamaModel, Any, str]:
     if args.model is not None:
         if load is None:
             raise KVLabError("--model needs kvlab.load, which this kvlab does not have yet")
-        return (*_unpack(load(args.model)), str(args.model))
+        return (*_unpack(load(args.model, activations=args.activations)), str(args.model))
     if load is not None:
         try:
             return (*_unpack(load()), "default model")

@@ -18,6 +18,7 @@ from kvlab.cache.dtypes import KV_CACHE_DTYPES
 from kvlab.cache.kv_cache import KVCache
 from kvlab.cli.checks import check_sampling_flags, draw_seed, drawn_seed_note
 from kvlab.cli.fmt import human_bytes, read_stdin
+from kvlab.cli.model_flags import add_activations_flag
 from kvlab.cli.sampling_flags import add_sampling_flags, sampling_settings
 from kvlab.generation.generate import stream_generate
 from kvlab.errors import ContextLengthError, InputError
@@ -60,6 +61,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-cache", metavar="FILE", default=None,
                    help="reuse the KV cache saved in FILE for the prompt's common prefix, then save the "
                         "prompt and the new tokens back to it (llama.cpp's --prompt-cache)")
+    add_activations_flag(p)
     p.set_defaults(run=run)
 
 
@@ -248,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
     check_sampling_flags(args)  # fail before loading
     seed_drawn = draw_seed(args)
     resolved = sampling_settings(args, args.model)
-    model, tokenizer = load(args.model, dtype=args.dtype)
+    model, tokenizer = load(args.model, dtype=args.dtype, activations=args.activations)
     prompt = encode_prompt(tokenizer, text, args.chat)
     policy = cache_policy(args, model, prompt, tokenizer)
     stop = [] if args.ignore_eos else stop_token_ids(model, tokenizer)

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from kvlab import validate
+from kvlab.cli.model_flags import add_activations_flag
 from kvlab.errors import InputError
 from kvlab.perplexity import perplexity
 
@@ -24,6 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk", type=int, default=None,
                    help="feed each window through the cache in chunks of N tokens (default: one forward)")
     p.add_argument("--dtype", default="float32", help="compute dtype: float32 (default) or float64")
+    add_activations_flag(p)
     p.set_defaults(run=run)
 
 
@@ -32,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
 
     for flag in ("context", "stride", "max_tokens", "chunk"):
         validate.optional_int(getattr(args, flag), f"--{flag.replace('_', '-')}", 1)
-    model, tokenizer = kvlab.load(args.model, dtype=args.dtype)
+    model, tokenizer = kvlab.load(args.model, dtype=args.dtype, activations=args.activations)
     folder = Path(args.model) if args.model else kvlab.hf.DEFAULT_MODEL_DIR
     folder = folder.parent if folder.is_file() else folder  # a .gguf file: look beside it
     text_path = Path(args.text) if args.text else folder / "validation.txt"

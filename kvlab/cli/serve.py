@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from kvlab.cache.kv_cache import KV_CACHE_DTYPES
+from kvlab.cli.model_flags import add_activations_flag
 from kvlab.serve.limits import DEFAULT_MAX_REQUEST_BYTES
 
 
@@ -86,6 +87,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds requests in flight may finish after SIGTERM before they are aborted")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default info)")
+    add_activations_flag(p)
     p.set_defaults(run=run)
 
 
@@ -105,7 +107,7 @@ def build_engine(args: argparse.Namespace):
         raise ConfigError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     gguf = gguf_file(args.model)
     folder = gguf if gguf is not None else resolve_model_dir(args.model)
-    model, tokenizer = load(folder, dtype=args.dtype)
+    model, tokenizer = load(folder, dtype=args.dtype, activations=args.activations)
     if args.chat_template:
         install_chat_template(tokenizer, Path(args.chat_template))
     kv_dtype = None if args.kv_cache_dtype in (None, "auto") else args.kv_cache_dtype

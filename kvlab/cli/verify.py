@@ -8,6 +8,7 @@ import json
 from rich.table import Table
 
 from kvlab.cli.fmt import console
+from kvlab.cli.model_flags import add_activations_flag
 from kvlab.errors import InputError
 from kvlab.model.llama import TinyLlama
 from kvlab import validate
@@ -31,6 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=["auto", "numba", "numpy"], default="auto",
                    help="compiled kernels (numba, the default where available) or the NumPy reference")
     p.add_argument("--json", action="store_true", help="print results as JSON")
+    add_activations_flag(p)
     p.set_defaults(run=run)
 
 
@@ -44,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         if args.bidirectional:
             raise InputError("--bidirectional is the tiny model's negative control; drop --model")
         model = load_model(None if args.model == "default" else args.model, dtype=args.dtype,
-                           backend=args.backend)
+                           backend=args.backend, activations=args.activations)
         label = f"{args.model} {args.dtype}"
     else:
         model = TinyLlama(seed=seed, dtype=args.dtype, causal=not args.bidirectional, backend=args.backend)

@@ -92,8 +92,9 @@ def validate_ids(ids: Any, vocab_size: int) -> np.ndarray:
 
 
 def _no_quantized_matrices(activations: str, source: str) -> str:
-    return (f"activations={activations!r} rounds the inputs of quantized matrices, and {source} has none: keep "
-            "a GGUF file's blocks as stored, or load with weights_dtype='q8_0' (or another block type)")
+    return (f"activations={activations!r} rounds the inputs of quantized matrices, and {source} has none: load "
+            "a GGUF file of a block type as stored (the default; `kvlab quantize SRC OUT.gguf --type q4_0` "
+            "writes one), or an HF folder with weights_dtype='q8_0' (or another block type)")
 
 
 class LlamaModel:
