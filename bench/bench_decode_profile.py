@@ -17,7 +17,7 @@ counts see the same minute of a shared machine):
 And with `--bands`, prefill's band scheme alone on one quantized matrix (the MLP's gate/up, 576 x 3072):
 dequantize-then-BLAS (QuantizedMatrix.matmul_t) against BLAS on the float32 matrix, ns per weight.
 
-    PYTHONPATH=. python bench/bench_decode_profile.py [--formats float32 q8_0 q4_0] [--model F.gguf ...]
+    PYTHONPATH=. python bench/bench_decode_profile.py [--formats float32 q8_0 q4_0 q4_0+q8] [--model F.gguf[+q8] ...]
         [--context 128] [--batch 1] [--steps 16] [--repeats 3] [--bands]
 """
 
@@ -128,8 +128,9 @@ def build(args: argparse.Namespace) -> dict[str, LlamaModel]:
     models = {}
     if args.model:
         import kvlab
-        for path in args.model:
-            models[Path(path).name], _ = kvlab.load(path)
+        for path in args.model:  # "F.gguf+q8": the same file with int8 activations (`activations="q8"`)
+            file, plus, activations = path.partition("+")
+            models[Path(file).name + plus + activations], _ = kvlab.load(file, activations=activations or None)
         return models
     return models_in_formats(args.formats)
 

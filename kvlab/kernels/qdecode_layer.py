@@ -8,13 +8,15 @@ QuantizedOps for up to MAX_KERNEL_ROWS rows; attention in between is attention.p
   * `output_mlp`: the output product and residual, RMSNorm, gate/up, SwiGLU, down and residual.
 
 A matrix is passed as the tuple `kernel_args` makes: (codes, scales, offsets, tail codes, tail scales,
-tail offsets, group), model/qtiles.py's layout; with the codes in the integer dot-product layout (3-D,
-`qtiles.to_dot_codes`) the same calls round each product's input to int8 and take integer dot products
-(the model's `activations="q8"`, kernels/qdot.py): numba compiles one specialisation per layout. Each product's tiles go over the threads (qgemv's
-`product_tile`, the tail on the last index); the group sums of x its offsets need are taken once per
-product on the calling thread. Unfused, a quantized layer cost ~12 Python and dispatcher round trips
-(norms, products, RoPE and SwiGLU in NumPy between them); here it is two. The arithmetic is the unfused
-products' own (the same inline pieces), held to the NumPy reference through the model's tests.
+tail offsets, group), model/qtiles.py's layout. With the codes in the integer dot-product layout (3-D,
+`qtiles.to_dot_codes`) the same two calls round each product's input to int8 and take integer dot
+products (the model's `activations="q8"`, kernels/qdot.py): `_product` picks the kind by the codes' rank
+when numba compiles, one specialisation per layout. Each product is one parallel call, its tiles over the
+threads (qgemv's `product_tile` / `dot_tile`, the tail on the last index); the group sums of x its offsets
+need (or the int8 rounding of x) are taken once per product on the calling thread. Unfused, a quantized
+layer cost ~12 Python and dispatcher round trips (norms, products, RoPE and SwiGLU in NumPy between them);
+here it is two. The arithmetic is the unfused products' own (the same inline pieces), held to the NumPy
+reference through the model's tests.
 """
 
 from __future__ import annotations
@@ -28,73 +30,64 @@ from kvlab.kernels.gemv import rms_norm_rows, silu_times_up
 from kvlab.kernels.qgemv import dot_tail_rows, dot_tile, group_sums_into, product_tile, round_rows, tail_rows
 
 
-def _activations(x, w):
-    """What w's product reads of x: (x, its group sums for w's offsets) for float codes; for w in the
-    integer dot-product layout (3-D codes, model `activations="q8"`) x rounded to int8 (qgemv.round_rows)."""
+def _product(x, w, out):
+    """out = x @ w.T, w a `kernel_args` tuple: tiles over the threads, the tail on the last index. Codes in
+    the integer dot-product layout (3-D, `activations="q8"`) round x to int8 first (qgemv.round_rows);
+    float codes read x as it is, with the group sums its offsets multiply taken once."""
 
 
-@overload(_activations)
-def _activations_impl(x, w):
-    if w[0].ndim == 3:
-        return lambda x, w: round_rows(x, w[6])
-
-    def floats(x, w):
-        if w[2].shape[0] == 0:
-            return x, np.zeros((0, 0), dtype=np.float32)
+@njit(parallel=True, fastmath={"reassoc", "contract"}, cache=True)
+def _float_product(x, w, out):
+    xsum = np.zeros((0, 0), dtype=np.float32)
+    if w[2].shape[0] != 0:
         xsum = np.empty((x.shape[0], x.shape[1] // w[6]), dtype=np.float32)
         group_sums_into(x, w[6], xsum)
-        return x, xsum
-    return floats
-
-
-def _tile_or_tail(acts, w, out, t):
-    """Tile t of w's product into out, or (t == number of tiles) its row-ordered tail."""
-
-
-@overload(_tile_or_tail)
-def _tile_or_tail_impl(acts, w, out, t):
-    if w[0].ndim == 3:
-        def dots(acts, w, out, t):
-            xq, dx, qsum, fsum = acts
-            tiles = w[0].shape[0]
-            if t < tiles:
-                dot_tile(xq, dx, qsum, fsum, w[0], w[1], w[2], out, t)
-            else:
-                dot_tail_rows(xq, dx, fsum, w[3], w[4], w[5], w[6], out, tiles * 8)
-        return dots
-
-    def floats(acts, w, out, t):
-        x, xsum = acts
-        tiles = w[0].shape[0]
+    tiles = w[0].shape[0]
+    for t in prange(tiles + 1):
         if t < tiles:
             product_tile(x, xsum, w[0], w[1], w[2], w[6], out, t)
         else:
             tail_rows(x, xsum, w[3], w[4], w[5], w[6], out, tiles * 8)
-    return floats
 
 
-@njit(parallel=True, fastmath={"reassoc", "contract"}, cache=True)
+@njit(parallel=True, cache=True)
+def _dot_product(x, w, out):
+    xq, dx, qsum, fsum = round_rows(x, w[6])
+    tiles = w[0].shape[0]
+    for t in prange(tiles + 1):
+        if t < tiles:
+            dot_tile(xq, dx, qsum, fsum, w[0], w[1], w[2], out, t)
+        else:
+            dot_tail_rows(xq, dx, fsum, w[3], w[4], w[5], w[6], out, tiles * 8)
+
+
+# One call per product, parallel inside (a call per tile from a prange body would pay numba's reference
+# counting of every array argument on both threads at once: contended atomics, per tile).
+@overload(_product)
+def _product_impl(x, w, out):
+    if w[0].ndim == 3:
+        return lambda x, w, out: _dot_product(x, w, out)
+    return lambda x, w, out: _float_product(x, w, out)
+
+
+@njit(fastmath={"reassoc", "contract"}, cache=True)
 def qkv_rope(x, norm, eps, w_qkv, bias, cos, sin, rotated_heads, out, zero):
     """out [B, (H_q + 2 H_kv) d] = rms_norm(x) @ w_qkv.T + bias, then RoPE on the first `rotated_heads`
     heads: cos[b], sin[b] [2, d/2] row b's rotation, sin sign-folded ([-sin, sin]) as the model's
     `rotate_halves`. An empty `bias` means none."""
     xn = np.empty_like(x)
     rms_norm_rows(x, norm, eps, xn, zero)
-    acts = _activations(xn, w_qkv)
-    for t in prange(w_qkv[0].shape[0] + 1):
-        _tile_or_tail(acts, w_qkv, out, t)
+    _product(xn, w_qkv, out)
     bias_rope_rows(out, bias, cos, sin, rotated_heads)
 
 
-@njit(parallel=True, fastmath={"reassoc", "contract"}, cache=True)
+@njit(fastmath={"reassoc", "contract"}, cache=True)
 def output_mlp(x, attn, w_o, b_o, norm, eps, w_gate_up, w_down, zero):
     """x [B, hidden] += attn @ w_o.T + b_o (empty for none), then += the SwiGLU MLP of its RMSNorm, in
     place: the rest of a block after attention."""
     batch, hidden = x.shape
     projected = np.empty((batch, hidden), dtype=x.dtype)
-    attn_acts = _activations(attn, w_o)
-    for t in prange(w_o[0].shape[0] + 1):
-        _tile_or_tail(attn_acts, w_o, projected, t)
+    _product(attn, w_o, projected)
     for b in range(batch):
         for i in range(hidden):
             x[b, i] += projected[b, i] + (b_o[i] if b_o.shape[0] else zero)
@@ -102,16 +95,12 @@ def output_mlp(x, attn, w_o, b_o, norm, eps, w_gate_up, w_down, zero):
     rms_norm_rows(x, norm, eps, xn, zero)
     inter = w_down[4].shape[1] * w_down[6]  # the down matrix's width
     gate_up = np.empty((batch, 2 * inter), dtype=x.dtype)
-    xn_acts = _activations(xn, w_gate_up)
-    for t in prange(w_gate_up[0].shape[0] + 1):
-        _tile_or_tail(xn_acts, w_gate_up, gate_up, t)
+    _product(xn, w_gate_up, gate_up)
     act = np.empty((batch, inter), dtype=x.dtype)
     for b in range(batch):
         silu_times_up(gate_up[b], act[b], inter)
     down = np.empty((batch, hidden), dtype=x.dtype)
-    act_acts = _activations(act, w_down)
-    for t in prange(w_down[0].shape[0] + 1):
-        _tile_or_tail(act_acts, w_down, down, t)
+    _product(act, w_down, down)
     for b in range(batch):
         for i in range(hidden):
             x[b, i] += down[b, i]
