@@ -141,17 +141,20 @@ def test_both_code_paths_of_the_integer_kernel(monkeypatch, vnni):
     monkeypatch.setattr(qdot, "VNNI", vnni)
 
     @njit  # not cached: compiled with the flag as set now
-    def first_tile(xq, dx, qsum, fsum, codes, scales, offsets, out):
-        qdot.tile_dot_2(xq, 0, dx, qsum, fsum, codes, scales, offsets, 0, out)
+    def first_tile(xq, dx, qsum, fsum, codes, scales, offsets, bias, out):
+        qdot.tile_dot_2(xq, 0, dx, qsum, fsum, codes, scales, offsets, bias, 0, out)
 
     rng = np.random.default_rng(1)
-    for type_name in ("Q8_0", "Q4_1", "Q6_K"):
+    # int8 codes with float16 scales (as bits); nibbles with offsets; Q4_0's offsets folded; K types float32
+    for type_name, scale_dtype, bias in (("Q8_0", np.uint16, 128), ("Q4_1", np.uint16, 0),
+                                         ("Q4_0", np.uint16, 8), ("Q6_K", np.float32, 128)):
         raw = blocks(type_name, 8, 256, rng, "normal")
         matrix = QuantizedMatrix.from_blocks(type_name, raw, (8, 256))
         x = rng.standard_normal((2, 256)).astype(np.float32)
         out = np.empty((2, 8), dtype=np.float32)
-        offsets = matrix.tiles.offsets if matrix.tiles.offsets is not None else np.zeros((0, 0), np.float32)
-        first_tile(*round_rows(x, matrix.group), matrix.dot_codes, matrix.tiles.scales, offsets, out)
+        layout = matrix.dot_layout
+        assert layout[1].dtype == scale_dtype and layout[3] == bias and (layout[2].size == 0) == (bias != 0)
+        first_tile(*round_rows(x, matrix.group), *layout, out)
         want = rounded(x, matrix.group).astype(np.float64) @ matrix.dequantize(np.float64).T
         assert np.allclose(out, want, rtol=1e-5, atol=1e-6 * np.abs(want).max()), type_name
         asm = "\n".join(first_tile.inspect_asm().values())

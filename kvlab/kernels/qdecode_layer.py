@@ -27,7 +27,7 @@ from numba.extending import overload
 
 from kvlab.kernels.decode_layer import bias_rope_rows
 from kvlab.kernels.gemv import rms_norm_rows, silu_times_up
-from kvlab.kernels.qgemv import dot_tail_rows, dot_tile, group_sums_into, product_tile, round_rows, tail_rows
+from kvlab.kernels.qgemv import dot_product, group_sums_into, product_tile, tail_rows
 
 
 def _product(x, w, out):
@@ -50,23 +50,12 @@ def _float_product(x, w, out):
             tail_rows(x, xsum, w[3], w[4], w[5], w[6], out, tiles * 8)
 
 
-@njit(parallel=True, cache=True)
-def _dot_product(x, w, out):
-    xq, dx, qsum, fsum = round_rows(x, w[6])
-    tiles = w[0].shape[0]
-    for t in prange(tiles + 1):
-        if t < tiles:
-            dot_tile(xq, dx, qsum, fsum, w[0], w[1], w[2], out, t)
-        else:
-            dot_tail_rows(xq, dx, fsum, w[3], w[4], w[5], w[6], out, tiles * 8)
-
-
 # One call per product, parallel inside (a call per tile from a prange body would pay numba's reference
 # counting of every array argument on both threads at once: contended atomics, per tile).
 @overload(_product)
 def _product_impl(x, w, out):
     if w[0].ndim == 3:
-        return lambda x, w, out: _dot_product(x, w, out)
+        return lambda x, w, out: dot_product(x, w, out)
     return lambda x, w, out: _float_product(x, w, out)
 
 

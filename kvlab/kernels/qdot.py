@@ -13,18 +13,22 @@ columns, and `vpdpbusd` (AVX-512 VNNI / AVX-VNNI) multiplies those 32 unsigned b
 activations broadcast to every lane and adds each row's four products into that row's int32 lane: lanes
 are rows, as in the float kernels. vpdpbusd wants one unsigned operand: nibbles (Q4_0, Q4_1, Q4_K) are
 0..15 already (low nibbles, then `>> 4` for the high ones); int8 codes are flipped to `code + 128` by an
-XOR with 0x80, and the group's `128 * sum(q)` is taken off before the int32 sum becomes float. Per group
-and row: `total += (scale * dx) * float(dot) (+ offset * dx * sum(q))`. No int32 sum can overflow: a group
-of 32 is at most 32 * 255 * 127.
+XOR with 0x80, and the group's `bias * sum(q)` is taken off before the int32 sum becomes float: bias 128
+for int8 codes, 8 for Q4_0's nibbles, whose offset (-8 * scale) is folded in so that it is not read, else
+0. Per group and row: `total += (scale * dx) * float(dot - bias * sum(q)) (+ offset * dx * sum(q))`. No
+int32 sum can overflow: a group of 32 is at most 32 * 255 * 127. Scales are float16 where the file's are
+(every type but the K types, whose scale is a product): 2 bytes a group and 8 rows fewer to read, widened
+by one instruction (vcvtph2ps).
 
 Where the CPU has no VNNI (AVX2-only parts such as Zen 3), the same IR multiplies widened int32 vectors
 and adds the four columns with shuffles: exact, slower. The choice is made from the features numba
 compiles for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES or the host's).
 
-`tile_dot_R(xq, m0, dx, qsum, fsum, codes, scales, offsets, t, out)` (R = 1..4 rows of x) writes
+`tile_dot_R(xq, m0, dx, qsum, fsum, codes, scales, offsets, bias, t, out)` (R = 1..4 rows of x) writes
 out[m0:m0+R, 8t:8t+8]: xq int8 [M, K], dx float32 [M, G] the groups' scales, qsum int32 [M, G] the sums
 of the int8 values, fsum float32 [M, G] = dx * qsum (read only when offsets has rows), codes int8 or
-uint8 (nibbles) [T, G, bytes], scales/offsets float32 [T, G*8] (as for the float kernels).
+uint8 (nibbles) [T, G, bytes], scales float32 or float16 bits (uint16) and offsets float32 [T, G*8] (as
+for the float kernels), bias an int (above).
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ _I8 = ir.IntType(8)
 _I32 = ir.IntType(32)
 _F32 = ir.FloatType()
 _V8F = ir.VectorType(_F32, LANES)
+_V8H = ir.VectorType(ir.HalfType(), LANES)
+_V8I16 = ir.VectorType(ir.IntType(16), LANES)
 _V8I32 = ir.VectorType(_I32, LANES)
 _V32I8 = ir.VectorType(_I8, LANES * QUAD)
 _V32I32 = ir.VectorType(_I32, LANES * QUAD)
@@ -94,17 +100,20 @@ def _load(builder: ir.IRBuilder, base: ir.Value, index: ir.Value, ty: ir.Type) -
 def _make_tile_dot(rows: int):
 
     @intrinsic
-    def tile_dot(typingctx, xq, m0, dx, qsum, fsum, codes, scales, offsets, t, out):
+    def tile_dot(typingctx, xq, m0, dx, qsum, fsum, codes, scales, offsets, bias, t, out):
         signed = codes.dtype == types.int8
         if not signed and codes.dtype != types.uint8:
             return None
-        sig = types.void(xq, m0, dx, qsum, fsum, codes, scales, offsets, t, out)
+        if scales.dtype not in (types.uint16, types.float32):  # uint16: float16 bits (numba has no float16)
+            return None
+        half_scales = scales.dtype == types.uint16
+        sig = types.void(xq, m0, dx, qsum, fsum, codes, scales, offsets, bias, t, out)
 
         def codegen(context, builder, signature, args):
-            xa, m0v, dxa, qsa, fsa, ca, sa, oa, tv, outa = args
+            xa, m0v, dxa, qsa, fsa, ca, sa, oa, biasv, tv, outa = args
             xs, dxs, qss, fss, cs, ss, os_, outs = [
                 cgutils.create_struct_proxy(ty)(context, builder, value=v)
-                for ty, v in zip([signature.args[i] for i in (0, 2, 3, 4, 5, 6, 7, 9)],
+                for ty, v in zip([signature.args[i] for i in (0, 2, 3, 4, 5, 6, 7, 10)],
                                  (xa, dxa, qsa, fsa, ca, sa, oa, outa))]
             intp = context.get_value_type(types.intp)
 
@@ -119,6 +128,8 @@ def _make_tile_dot(rows: int):
             has_offsets = builder.icmp_signed(">", cgutils.unpack_tuple(builder, os_.shape)[0], const(0))
             m0_v = builder.sext(m0v, intp) if m0v.type != intp else m0v
             t_v = builder.sext(tv, intp) if tv.type != intp else tv
+            bias_v = builder.trunc(biasv, _I32) if biasv.type.width > 32 else builder.sext(biasv, _I32) \
+                if biasv.type.width < 32 else biasv
             quads = builder.udiv(group_bytes, const(LANES * QUAD))
             group = builder.udiv(group_bytes, const(LANES if signed else LANES // 2))  # columns a group
             half = builder.lshr(group, const(1))
@@ -159,15 +170,16 @@ def _make_tile_dot(rows: int):
                                 value = _dpbusd(builder, value, codes4, x4)
                             builder.store(value, a)
                 lane0 = builder.mul(g, const(LANES))
-                scale = _load(builder, scale_base, lane0, _V8F)
+                scale = builder.fpext(builder.bitcast(_load(builder, scale_base, lane0, _V8I16), _V8H), _V8F) \
+                    if half_scales else _load(builder, scale_base, lane0, _V8F)
                 for i in range(rows):
                     dot = builder.load(acc[i][0])
                     for a in acc[i][1:]:
                         dot = builder.add(dot, builder.load(a))
                     at = builder.add(sum_ix[i], g)
-                    if signed:  # the codes went in as code + 128
-                        qs = builder.load(builder.gep(qss.data, [at]))
-                        dot = builder.sub(dot, _splat(builder, builder.shl(qs, ir.Constant(_I32, 7)), _V8I32))
+                    # the codes went in as code + bias (int8 codes: + 128; Q4_0's nibbles: its -8 folded in)
+                    qs = builder.load(builder.gep(qss.data, [at]))
+                    dot = builder.sub(dot, _splat(builder, builder.mul(qs, bias_v), _V8I32))
                     dxi = _splat(builder, builder.load(builder.gep(dxs.data, [at])), _V8F)
                     scaled = builder.fmul(scale, dxi)
                     builder.store(builder.fadd(builder.load(total[i]), builder.fmul(scaled, builder.sitofp(dot, _V8F))),

@@ -143,20 +143,20 @@ def round_rows(x, group):
 
 
 @njit(cache=True, inline="always")
-def dot_tile(xq, dx, qsum, fsum, codes, scales, offsets, out, t):
+def dot_tile(xq, dx, qsum, fsum, codes, scales, offsets, bias, out, t):
     """out[:, 8t:8t+8] = the rounded rows of x @ (tile t's eight rows).T, in integer dot products."""
     rows = xq.shape[0]
     m = 0
     while m + 4 <= rows:
-        tile_dot_4(xq, m, dx, qsum, fsum, codes, scales, offsets, t, out)
+        tile_dot_4(xq, m, dx, qsum, fsum, codes, scales, offsets, bias, t, out)
         m += 4
     left = rows - m
     if left == 1:
-        tile_dot_1(xq, m, dx, qsum, fsum, codes, scales, offsets, t, out)
+        tile_dot_1(xq, m, dx, qsum, fsum, codes, scales, offsets, bias, t, out)
     elif left == 2:
-        tile_dot_2(xq, m, dx, qsum, fsum, codes, scales, offsets, t, out)
+        tile_dot_2(xq, m, dx, qsum, fsum, codes, scales, offsets, bias, t, out)
     elif left == 3:
-        tile_dot_3(xq, m, dx, qsum, fsum, codes, scales, offsets, t, out)
+        tile_dot_3(xq, m, dx, qsum, fsum, codes, scales, offsets, bias, t, out)
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
@@ -179,22 +179,31 @@ def dot_tail_rows(xq, dx, fsum, codes, scales, offsets, group, out, n0):
 
 
 @njit(parallel=True, cache=True)
-def _qmatmul_dot(xq, dx, qsum, fsum, codes, scales, offsets, t_codes, t_scales, t_offsets, group, out):
-    tiles = codes.shape[0]
+def dot_product(x, w, out):
+    """out = x @ W.T with x rounded to int8 per group (`round_rows`) and integer dot products, W as the
+    tuple `dot_kernel_args` makes; tiles over the threads, the tail on the last index."""
+    xq, dx, qsum, fsum = round_rows(x, w[6])
+    tiles = w[0].shape[0]
     for t in prange(tiles + 1):
         if t < tiles:
-            dot_tile(xq, dx, qsum, fsum, codes, scales, offsets, out, t)
+            dot_tile(xq, dx, qsum, fsum, w[0], w[1], w[2], w[7], out, t)
         else:
-            dot_tail_rows(xq, dx, fsum, t_codes, t_scales, t_offsets, group, out, tiles * 8)
+            dot_tail_rows(xq, dx, fsum, w[3], w[4], w[5], w[6], out, tiles * 8)
 
 
-def qmatmul_dot(x: np.ndarray, dot_codes: np.ndarray, tiles, tail) -> np.ndarray:
-    """x [M, K] float32 rounded per group to int8, @ W.T in integer dot products: W as its dot-layout
-    codes (model/qtiles.to_dot_codes) with the tiles' scales/offsets, and the row-ordered tail."""
-    args = kernel_args(tiles, tail)
-    rows = tiles.scales.shape[0] * 8 + tail.scales.shape[0]
-    out = np.empty((x.shape[0], rows), dtype=np.float32)
-    _qmatmul_dot(*round_rows(x, tiles.group), dot_codes, *args[1:], out)
+def dot_kernel_args(layout: tuple, tail) -> tuple:
+    """(codes, scales, offsets, tail codes, tail scales, tail offsets, group, bias): a matrix as the integer
+    kernels take it, from its dot layout (QuantizedMatrix.dot_layout: codes, scales, offsets, bias) and
+    the row-ordered tail (read by `dot_tail_rows` as the float kernels read it)."""
+    codes, scales, offsets, bias = layout
+    return (codes, scales, offsets, tail.codes, tail.scales, NO_OFFSETS if tail.offsets is None else tail.offsets,
+            tail.group, bias)
+
+
+def qmatmul_dot(x: np.ndarray, layout: tuple, tail) -> np.ndarray:
+    """x [M, K] float32 rounded per group to int8, @ W.T in integer dot products (W: see dot_kernel_args)."""
+    out = np.empty((x.shape[0], layout[0].shape[0] * 8 + tail.scales.shape[0]), dtype=np.float32)
+    dot_product(x, dot_kernel_args(layout, tail), out)
     return out
 
 

@@ -194,6 +194,7 @@ class QuantizedOps(CompiledOps):
         from kvlab.kernels import qdecode_layer, qgemv  # numba loads only for this backend
 
         self._qfused, self._kernel_args = qdecode_layer, qgemv.kernel_args
+        self._dot_kernel_args = qgemv.dot_kernel_args
         self.activations = activations
         if activations == "q8":  # the integer products beat bands + BLAS at any row count: one path for all
             self.max_fused_rows = 1 << 62
@@ -206,8 +207,9 @@ class QuantizedOps(CompiledOps):
                                                                  layer.w_down))
 
         def args(w: Any) -> tuple:
-            plain = self._kernel_args(w.tiles, w.tail)
-            return (w.dot_codes, *plain[1:]) if self.activations == "q8" else plain
+            if self.activations == "q8":
+                return self._dot_kernel_args(w.dot_layout, w.tail)
+            return self._kernel_args(w.tiles, w.tail)
 
         empty = self._empty
         return [QuantizedLayer(layer, args(layer.w_qkv), empty if layer.b_qkv is None else layer.b_qkv,

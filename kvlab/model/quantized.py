@@ -148,10 +148,24 @@ class QuantizedMatrix:
         return dequantize(part, np.dtype(dtype))
 
     @cached_property
-    def dot_codes(self) -> np.ndarray:
-        """The tiles' codes laid out for integer dot products (qtiles.to_dot_codes): made on first use by
-        `activations="q8"`, kept beside the float layout (the prefill bands and embeddings read that)."""
-        return to_dot_codes(self.tiles.codes, self.tail.scales.shape[1])
+    def dot_layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """(codes, scales, offsets, bias): the tiles as the integer kernels read them (kernels/qdot.py), made
+        on first use by `activations="q8"` and kept beside the float layout (the prefill bands and embeddings
+        read that). Codes in quads (qtiles.to_dot_codes); scales float16 where that is exact (the file's
+        own float16: every type but the K types), else the float32 ones; Q4_0's offsets (-8 * scale) folded
+        into bias 8 rather than read; int8 codes bias 128 (the kernel's code + 128). float16 scales travel as
+their bits (uint16): numba has no float16 arrays."""
+        t = self.tiles
+        codes = to_dot_codes(t.codes, self.tail.scales.shape[1])
+        with np.errstate(over="ignore"):  # a K type's product scale past float16's range: kept float32
+            half = t.scales.astype(np.float16)
+        scales = half.view(np.uint16) if np.array_equal(half.astype(np.float32), t.scales) else t.scales
+        no_offsets = np.zeros((0, 0), dtype=np.float32)
+        if not t.nibbles:
+            return codes, scales, no_offsets if t.offsets is None else t.offsets, 128
+        if t.offsets is not None and np.array_equal(t.offsets, t.scales * np.float32(-8)):
+            return codes, scales, no_offsets, 8
+        return codes, scales, no_offsets if t.offsets is None else t.offsets, 0
 
     def matmul_t(self, x: np.ndarray, compiled: bool = True, activations: str = "float32") -> np.ndarray:
         """x [..., K] @ W.T -> [..., N] in x's dtype: the compiled kernel for a few rows, else tiles + BLAS.
@@ -163,7 +177,7 @@ class QuantizedMatrix:
         if activations == "q8" and compiled and flat.dtype == np.float32:
             from kvlab.kernels.qgemv import qmatmul_dot
 
-            out = qmatmul_dot(flat, self.dot_codes, self.tiles, self.tail)
+            out = qmatmul_dot(flat, self.dot_layout, self.tail)
         elif activations == "q8":
             out = self._tiled(rounded(flat, self.group).astype(flat.dtype, copy=False), compiled=False)
         elif compiled and flat.shape[0] <= MAX_KERNEL_ROWS and flat.dtype == np.float32:
