@@ -53,8 +53,10 @@ def _code(codes, n, k, group, nibbles):
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
-def tail_rows(x, xsum, codes, scales, offsets, group, out, n0):
-    """out[:, n0 + i] for the row-ordered tail rows i (fewer than eight): a plain loop, it is small."""
+def tail_rows(x, xsum, codes, scales, offsets, group, out, n0, dx=None):
+    """out[:, n0 + i] for the row-ordered tail rows i (fewer than eight): a plain loop, it is small.
+    With `dx` (the integer kernels' rounded rows: x int8, dx their scales, xsum = dx * sum(q)) each group's
+    sum of code * q is an exact integer in float32 (below 2^24), then scaled by scale * dx."""
     has_offsets = offsets.shape[0] > 0
     nibbles = 2 * codes.shape[1] == scales.shape[1] * group  # two codes a byte (numba cannot compare dtypes)
     for i in range(scales.shape[0]):
@@ -63,8 +65,11 @@ def tail_rows(x, xsum, codes, scales, offsets, group, out, n0):
             for g in range(scales.shape[1]):
                 dot = np.float32(0)
                 for j in range(group):
-                    dot += x[m, g * group + j] * _code(codes, i, g * group + j, group, nibbles)
-                total += scales[i, g] * dot
+                    dot += np.float32(x[m, g * group + j]) * _code(codes, i, g * group + j, group, nibbles)
+                scale = scales[i, g]
+                if dx is not None:
+                    scale = scale * dx[m, g]
+                total += scale * dot
                 if has_offsets:
                     total += offsets[i, g] * xsum[m, g]
             out[m, n0 + i] = total
@@ -159,25 +164,6 @@ def dot_tile(xq, dx, qsum, fsum, codes, scales, offsets, bias, out, t):
         tile_dot_3(xq, m, dx, qsum, fsum, codes, scales, offsets, bias, t, out)
 
 
-@njit(fastmath=FASTMATH, cache=True, inline="always")
-def dot_tail_rows(xq, dx, fsum, codes, scales, offsets, group, out, n0):
-    """The tail rows (fewer than eight, row-ordered) against the rounded rows: each group's sum of
-    code * q is an exact integer in float32 (below 2^24), then scaled as the tiles are."""
-    has_offsets = offsets.shape[0] > 0
-    nibbles = 2 * codes.shape[1] == scales.shape[1] * group
-    for i in range(scales.shape[0]):
-        for m in range(xq.shape[0]):
-            total = np.float32(0)
-            for g in range(scales.shape[1]):
-                dot = np.float32(0)
-                for j in range(group):
-                    dot += np.float32(xq[m, g * group + j]) * _code(codes, i, g * group + j, group, nibbles)
-                total += (scales[i, g] * dx[m, g]) * dot
-                if has_offsets:
-                    total += offsets[i, g] * fsum[m, g]
-            out[m, n0 + i] = total
-
-
 @njit(parallel=True, cache=True)
 def dot_product(x, w, out):
     """out = x @ W.T with x rounded to int8 per group (`round_rows`) and integer dot products, W as the
@@ -188,13 +174,13 @@ def dot_product(x, w, out):
         if t < tiles:
             dot_tile(xq, dx, qsum, fsum, w[0], w[1], w[2], w[7], out, t)
         else:
-            dot_tail_rows(xq, dx, fsum, w[3], w[4], w[5], w[6], out, tiles * 8)
+            tail_rows(xq, fsum, w[3], w[4], w[5], w[6], out, tiles * 8, dx)
 
 
 def dot_kernel_args(layout: tuple, tail) -> tuple:
     """(codes, scales, offsets, tail codes, tail scales, tail offsets, group, bias): a matrix as the integer
     kernels take it, from its dot layout (QuantizedMatrix.dot_layout: codes, scales, offsets, bias) and
-    the row-ordered tail (read by `dot_tail_rows` as the float kernels read it)."""
+    the row-ordered tail (read by `tail_rows` as the float kernels read it)."""
     codes, scales, offsets, bias = layout
     return (codes, scales, offsets, tail.codes, tail.scales, NO_OFFSETS if tail.offsets is None else tail.offsets,
             tail.group, bias)
