@@ -18,16 +18,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvlab.errors import InputError
+
 ACTIVATIONS = ("float32", "q8")
 Q_MAX = np.float32(127)
 
 
 def check_activations(name: object) -> str:
-    """'float32' (the default: exact products) or 'q8'; ValueError naming the choices otherwise."""
+    """'float32' (the default: exact products) or 'q8'; InputError naming the choices otherwise."""
     if name is None:
         return "float32"
     if not isinstance(name, str) or name.lower() not in ACTIVATIONS:
-        raise ValueError(f"unknown activations {name!r}; choose from {', '.join(ACTIVATIONS)}")
+        raise InputError(f"unknown activations {name!r}; choose from {', '.join(ACTIVATIONS)}")
     return name.lower()
 
 

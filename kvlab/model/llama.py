@@ -113,10 +113,7 @@ class LlamaModel:
         self.dtype = validate.compute_dtype(dtype)
         self.backend = resolve_backend(backend)
         self.weights_dtype_request = weights_dtype
-        try:
-            self.activations = check_activations(activations)
-        except ValueError as exc:
-            raise InputError(str(exc)) from None
+        self.activations = check_activations(activations)
         self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, self.dtype)
         self._cos = self._sin = np.zeros((0, config.head_dim), dtype=self.dtype)
         self.set_weights(weights if weights is not None else random_weights(config, seed, self.dtype), source)
@@ -147,10 +144,7 @@ class LlamaModel:
     def set_activations(self, activations: str | None) -> None:
         """Round the inputs of the quantized products to int8 ("q8") or not ("float32"/None). The model's
         fingerprint changes with it, so caches made under the other setting are refused."""
-        try:
-            name = check_activations(activations)
-        except ValueError as exc:
-            raise InputError(str(exc)) from None
+        name = check_activations(activations)
         if name != "float32" and not self.quantized:
             raise InputError(_no_quantized_matrices(name, "this model"))
         self.activations = name

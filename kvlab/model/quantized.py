@@ -170,9 +170,9 @@ their bits (uint16): numba has no float16 arrays."""
     def matmul_t(self, x: np.ndarray, compiled: bool = True, activations: str = "float32") -> np.ndarray:
         """x [..., K] @ W.T -> [..., N] in x's dtype: the compiled kernel for a few rows, else tiles + BLAS.
         `activations="q8"`: x rounded to int8 per group first (model/act_quant.py); compiled, any number of
-        rows then takes the integer kernel (kernels/qdot.py: at 128 rows ~2x the bands + BLAS, at 512
-        level), so a row's product does not depend on how many rows share the call; the NumPy reference
-        multiplies the rounded x by the dequantized bands."""
+        rows then takes the integer kernel (kernels/qdot.py; a prefill too: README's llama.cpp table has
+        it beside the bands + BLAS), so a row's product does not depend on how many rows share the call;
+        the NumPy reference multiplies the rounded x by the dequantized bands."""
         flat = np.ascontiguousarray(x.reshape(-1, x.shape[-1]))
         if activations == "q8" and compiled and flat.dtype == np.float32:
             from kvlab.kernels.qgemv import qmatmul_dot
