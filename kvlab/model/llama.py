@@ -26,7 +26,6 @@ a float32 run of the same weights.
 from __future__ import annotations
 
 import hashlib
-
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -39,10 +38,10 @@ from kvlab.cache.kv_cache import new_cache
 from kvlab.config import ModelConfig, tiny_config
 from kvlab.errors import ContextLengthError, InputError
 from kvlab.kernels import resolve_backend
+from kvlab.model.act_quant import check_activations
 from kvlab.model.attention import Attention, ContiguousAttention, ObservedAttention, Observer, PagedAttention
 from kvlab.model.batch import BatchInput
 from kvlab.model.layers import rope_inv_freq
-from kvlab.model.act_quant import check_activations
 from kvlab.model.ops import Rope, make_ops
 from kvlab.model.quantized import QuantizedMatrix, stack_rows
 from kvlab.model.weights import check_weights, fingerprint, random_weights, resolve_weights_dtype
