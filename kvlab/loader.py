@@ -16,6 +16,7 @@ from kvlab.config import ModelConfig
 from kvlab.errors import ConfigError
 from kvlab.gguf.loader import gguf_file, load_gguf
 from kvlab.hf import generation_config, loader as hf
+from kvlab.model.act_quant import check_activations
 from kvlab.model.llama import LlamaModel
 from kvlab.sampling.defaults import ModelSampling
 from kvlab.tokenizer import HFTokenizer
@@ -33,6 +34,7 @@ def load(path: str | Path | None = None, dtype: Any = DEFAULT_COMPUTE_DTYPE, pro
     small), so a folder without one fails before the weights load. `weights_dtype`: see `load_model`;
     `activations`: "q8" rounds the inputs of quantized matrices to int8 (LlamaModel.set_activations).
     """
+    check_activations(activations)  # a misspelt name fails before the weights load
     if gguf_file(path) is not None:
         model, tokenizer = load_gguf(path, dtype, progress, backend=backend,
                                      weights_dtype=_gguf_weights(weights_dtype, dtype))
@@ -53,6 +55,7 @@ def load_model(path: str | Path | None = None, dtype: Any = DEFAULT_COMPUTE_DTYP
     encoder; for a GGUF file "auto" (with float32 compute) and "stored" keep every matrix as the file
     stores it (block types read by the quantized kernels, F16/BF16 half), anything else ("float32", or
     "auto" with float64 compute) dequantizes it into the compute dtype: the reference."""
+    check_activations(activations)
     if gguf_file(path) is not None:
         model = load_gguf(path, dtype, progress, backend=backend, weights_dtype=_gguf_weights(weights_dtype, dtype))[0]
     elif _quantize_to(weights_dtype) is not None:

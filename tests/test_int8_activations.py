@@ -243,6 +243,8 @@ def test_the_mode_is_refused_where_it_means_nothing_or_is_misspelt(q4_1_file):
         kvlab.TinyLlama(seed=7).set_activations("q8")
     with pytest.raises(InputError, match="has none"):
         kvlab.load(q4_1_file, weights_dtype="float32", activations="q8")
+    with pytest.raises(InputError, match="unknown activations 'q4'"):
+        kvlab.load(q4_1_file, activations="q4")
     model, _ = kvlab.load(q4_1_file, backend="numpy")
     before = model.fingerprint
     with pytest.raises(InputError, match="unknown activations 'int4'"):
