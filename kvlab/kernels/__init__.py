@@ -24,6 +24,10 @@ BACKENDS = ("numba", "numpy")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
+from kvlab.kernels.cache_dir import install as _install_cache_dir  # noqa: E402
+
+CACHE_DIR = _install_cache_dir()  # numba's disk cache, keyed on the kernels' source (cache_dir.py says why)
+
 try:
     import numba  # noqa: F401
     AVAILABLE = True
