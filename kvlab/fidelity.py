@@ -161,17 +161,19 @@ class WeightFidelityRow:
     perplexity: float
     perplexity_change: float  # relative to the float model: 0.01 = +1 %
     file_bytes_per_weight: float      # as ggml blocks in a GGUF file (matrices only)
-    resident_bytes_per_weight: float  # as kvlab keeps them (codes + float32 scales/offsets)
+    resident_bytes_per_weight: float  # as kvlab keeps them (codes + float32 scales/offsets; q8: + dot layout)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def _matrix_bytes(weights: Mapping[str, np.ndarray | QuantizedMatrix]) -> tuple[float, float]:
+def _matrix_bytes(weights: Mapping[str, np.ndarray | QuantizedMatrix], activations: str) -> tuple[float, float]:
+    """(file, resident) bytes per weight of the matrices; resident as a model computing with `activations`
+    keeps them (int8 activations add the integer kernels' layout)."""
     matrices = [w for w in weights.values() if np.ndim(w) == 2 or isinstance(w, QuantizedMatrix)]
     count = sum(int(np.prod(w.shape)) for w in matrices)
     file_bytes = sum(w.file_bytes if isinstance(w, QuantizedMatrix) else w.nbytes for w in matrices)
-    resident = sum(w.nbytes for w in matrices)
+    resident = sum(w.resident_bytes(activations) if isinstance(w, QuantizedMatrix) else w.nbytes for w in matrices)
     return file_bytes / count, resident / count
 
 
@@ -218,7 +220,7 @@ def weight_fidelity(config, weights: Mapping[str, np.ndarray], token_ids: Sequen
             targets = ids[i:e]
             _score(t, exact, logp, targets)
             count += targets.size
-        file_bpw, resident_bpw = _matrix_bytes(variant)
+        file_bpw, resident_bpw = _matrix_bytes(variant, activations)
         ppl = math.exp(t["nll"] / count)
         rows.append(WeightFidelityRow(name=name, tokens=count, kl_mean=t["kl"] / count, kl_max=t["kl_max"],
                                       top1_agreement=t["agree"] / count, perplexity=ppl,

@@ -128,5 +128,9 @@ def test_weight_fidelity_of_int8_activations_adds_their_rounding():
     _, weights_only, rounded = rows
     assert 0 < weights_only.kl_mean < rounded.kl_mean
     assert rounded.file_bytes_per_weight == weights_only.file_bytes_per_weight == 1.0625
+    # resident: codes + float32 scales (1.125), and for q8 the integer kernels' copy beside it (codes +
+    # float16 scales; every matrix of this model is whole tiles of eight rows)
+    assert weights_only.resident_bytes_per_weight == 1.125
+    assert rounded.resident_bytes_per_weight == 1.125 + 1.0625
     with pytest.raises(InputError, match=r"unknown activations in 'q8_0\+q4'"):
         weight_fidelity(config, weights, ids, 0, ["q8_0+q4"])

@@ -91,6 +91,18 @@ class QuantizedMatrix:
                    for a in (part.codes, part.scales, part.offsets) if a is not None)
 
     @property
+    def dot_nbytes(self) -> int:
+        """Bytes of the integer kernels' copy of the tiles (`dot_layout`, made when activations="q8" first
+        runs): kept beside the float layout, which the embedding lookup, prefill bands and the exact mode
+        read, so a q8 model holds the tiles' codes twice."""
+        return sum(a.nbytes for a in self.dot_layout[:3])
+
+    def resident_bytes(self, activations: str = "float32") -> int:
+        """What a model computing with `activations` keeps of this matrix: the stored layout, plus its dot
+        layout for "q8"."""
+        return self.nbytes + (self.dot_nbytes if activations == "q8" else 0)
+
+    @property
     def file_bytes(self) -> int:
         """The bytes the same matrix takes as ggml blocks in a GGUF file."""
         block, size = BLOCK_SIZES[self.type_name]
