@@ -267,11 +267,13 @@ def _decode_py(q, kc, ks, kz, vc, vs, vz, kind, group, block_tables, starts, end
         _combine(row_max[s, h], row_sum[s, h], acc[s, h], zero, out[s, h * heads:(h + 1) * heads])
 
 
-# Below this many key rows (sequences x KV heads x keys) one thread does it all: waking the other costs
-# more than it saves (profiled: at 128 context the parallel version took a quarter of a decode step with
-# sleeping OpenMP waits; with the short spin of kernels/__init__.py, 1024 context on SmolLM2-135M's shape,
-# 3072 rows, was ~10 ms a step faster in parallel).
-PARALLEL_MIN_ROWS = 2048
+# Below this many key rows (sequences x KV heads x keys) one thread does it all. Why so few: numba's worker
+# spins ~25 us after a parallel region (GOMP_SPINCOUNT 1000, kernels/__init__.py), then sleeps, and waking
+# it costs 15-25 us on these VMs. A serial attention of 20-30 us between a layer's q/k/v product and its
+# output product let it fall asleep in every layer, and the output product paid the wake: a second thread
+# bought nothing at 128 context. Run in parallel right after the q/k/v product, attention keeps it awake.
+# (Spans stay SPAN keys whatever the thread count or batch, so a sequence's result does not depend on them.)
+PARALLEL_MIN_ROWS = 256
 
 
 _decode_parallel = njit(parallel=True, fastmath=FASTMATH, cache=True)(_decode_py)
