@@ -111,3 +111,47 @@ def test_importing_kvlab_points_numba_at_the_keyed_folder(tmp_path):
     config_dir, env_dir, key = out[-3:]
     assert config_dir == env_dir == str(tmp_path / f"kvlab-{key}")
     assert any(p.suffix == ".nbi" for p in Path(config_dir).rglob("*")), "no numba index written there"
+
+
+_SERIAL_AROUND_PARALLEL = """
+from numba import njit, prange
+
+@njit(parallel=True, cache=True)
+def inner(a):
+    for i in prange(a.shape[0]):
+        a[i] += 1.0
+
+@njit(cache=True)
+def outer(a):
+    inner(a)
+    return a.sum()
+"""
+
+
+def _run(package: Path, numba_cache: Path, code: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(numba_cache), "PYTHONPATH": str(package)}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("start_pool", [False, True])
+def test_a_serial_kernel_around_a_parallel_one_loads_from_the_cache(tmp_path, start_pool):
+    """numba's hazard, and kvlab's answer to it: `outer` (serial) is compiled in a process that loaded
+    `inner` (parallel) from the cache, then loaded first in a fresh process. Without the thread pool
+    started it calls address 0 and the process dies of SIGSEGV; importing kvlab.kernels starts the pool
+    first, and the same cache then runs. (The day numba records the pool for such callers, the first case
+    stops crashing and this test says so.)"""
+    package = tmp_path / "pkg"
+    numba_cache = tmp_path / f"kvlab-{cache_dir.source_key()}"  # kvlab's own name: importing it keeps it
+    package.mkdir()
+    (package / "toy.py").write_text(_SERIAL_AROUND_PARALLEL)
+    for code in ("import numpy as np, toy; toy.inner(np.zeros(8))",  # compiles inner into the cache
+                 "import numpy as np, toy; toy.inner(np.zeros(8)); print(toy.outer(np.zeros(8)))"):
+        done = _run(package, numba_cache, code)
+        assert done.returncode == 0, done.stderr
+    first = "import kvlab.kernels; " if start_pool else ""
+    done = _run(package, numba_cache, first + "import numpy as np, toy; print(toy.outer(np.zeros(8)))")
+    assert len(list(numba_cache.rglob("toy.outer*.nbc"))) == 1  # loaded, not compiled afresh
+    if start_pool:
+        assert done.returncode == 0 and done.stdout.split() == ["8.0"], done.stderr
+    else:
+        assert done.returncode == -11, (done.returncode, done.stdout, done.stderr)  # SIGSEGV

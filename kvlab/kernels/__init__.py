@@ -36,6 +36,14 @@ except Exception as exc:  # ImportError, or an llvmlite that fails to load on th
     AVAILABLE = False
     UNAVAILABLE_REASON = f"numba could not be imported ({type(exc).__name__}: {exc})"
 
+if AVAILABLE:
+    # Start numba's thread pool now, before any kernel is loaded from the disk cache. A serial kernel that
+    # calls a parallel one (qdecode_layer's fused calls around qgemv's products) carries the parallel
+    # code's calls into the pool, but when it was compiled against a callee loaded from the cache numba
+    # does not record that the pool must be started on load: loaded first in a fresh process, it called
+    # address 0 (a segfault on the first int8-activation prefill; tests/test_kernel_cache_dir.py).
+    numba.get_num_threads()
+
 
 def resolve_backend(backend: str | None = None) -> str:
     """'numba' or 'numpy' for a requested backend: None/"auto" = compiled where available."""
