@@ -12,6 +12,10 @@ settings.register_profile("ci", derandomize=True, deadline=None, max_examples=60
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", deadline=None, max_examples=40,
                           suppress_health_check=[HealthCheck.too_slow])
+# `pytest --hypothesis-profile=explore tests/test_engine_liveness.py ...`: many new random examples, as a
+# developer's run before a stop (CONTRIBUTING.md); keep what it finds as an @example so CI replays it
+settings.register_profile("explore", derandomize=False, deadline=None, max_examples=1000,
+                          suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("mutation", derandomize=True, deadline=None, max_examples=10, database=None,
                           phases=[Phase.explicit, Phase.generate],
                           suppress_health_check=list(HealthCheck))

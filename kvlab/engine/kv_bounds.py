@@ -140,15 +140,20 @@ class KVBounds:
             self.pool.acquire(view.sink_source)
         view.prefix, view.window_start = prefix, start
 
-    def trim(self, seq: Sequence) -> None:
-        """Release the table's blocks wholly before every position a query may still see."""
+    def first_visible_block(self, seq: Sequence, num_computed: int) -> int:
+        """Index of the first block a query at position `num_computed` or later can see: the blocks before it
+        are never read again (a sliding window's, or a policy's evicted rows)."""
         first = 0
         if seq.kv_view is not None:
             first = seq.kv_view.view_start
         elif self.sliding_window:
-            first = seq.num_computed_tokens - self.sliding_window + 1
+            first = num_computed - self.sliding_window + 1
+        return max(first, 0) // self.pool.block_size
+
+    def trim(self, seq: Sequence) -> None:
+        """Release the table's blocks wholly before every position a query may still see."""
         table = seq.block_table
-        for index in range(min(max(first, 0) // self.pool.block_size, len(table))):
+        for index in range(min(self.first_visible_block(seq, seq.num_computed_tokens), len(table))):
             if table[index] != NULL_BLOCK:
                 self.pool.release([table[index]])
                 table[index] = NULL_BLOCK
@@ -156,7 +161,7 @@ class KVBounds:
     def sink_blocks_needed(self, seq: Sequence) -> int:
         """Free blocks `place_sinks` will take: one per shared block under the sink rows (a registered block
         only this sequence holds is released first and may come straight back, so it costs none)."""
-        return sum(1 for index in self._sink_indices(seq)
+        return sum(1 for index in self.sink_indices(seq)
                    if not self._private(seq, seq.block_table[index])
                    and self.pool.ref_counts[seq.block_table[index]] > 1)
 
@@ -166,7 +171,7 @@ class KVBounds:
         if view is None or not view.evicted or view.prefix == 0:
             return
         size = self.pool.block_size
-        for index in self._sink_indices(seq):
+        for index in self.sink_indices(seq):
             block = seq.block_table[index]
             if not self._private(seq, block):
                 # release first: its rows stay intact until a block is allocated, and if the pool hands
@@ -184,7 +189,8 @@ class KVBounds:
             v = gather_blocks(values, source, view.prefix)
             write_slots(keys, values, slots, k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2))
 
-    def _sink_indices(self, seq: Sequence) -> range:
+    def sink_indices(self, seq: Sequence) -> range:
+        """Table indices `place_sinks` writes this step (each becomes a private block)."""
         view = seq.kv_view
         if view is None or not view.evicted or view.prefix == 0:
             return range(0)

@@ -79,9 +79,16 @@ class Scheduler:
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, self._chunk_cap())
             self.bounds.evict(seq, num_new)
-            while self._blocks_needed(seq, num_new) + self.bounds.sink_blocks_needed(seq) > \
-                    self.pool.num_free_blocks:
+            while self._blocks_needed(seq, num_new) > self.pool.num_free_blocks:
                 victim = max(self.running, key=lambda s: (s.admitted_at, s.index))
+                if victim is seq and len(self.running) == 1:
+                    # alone, every other block is free or evictable: waiting cannot help, and re-admission
+                    # would come back here (a livelock). EngineConfig refuses pools this small; reaching
+                    # this line is a bug, so say so instead of spinning (docs/ARCHITECTURE.md, liveness).
+                    raise RuntimeError(
+                        f"liveness: sequence {seq.request.request_id}#{seq.index} alone in the pool needs "
+                        f"{self._blocks_needed(seq, num_new)} free blocks for {num_new} tokens but "
+                        f"{self.pool.num_free_blocks} of {self.pool.num_blocks} are free")
                 budget += scheduled.pop(victim, 0)
                 self.preempt(victim)
                 preempted = True
@@ -116,16 +123,19 @@ class Scheduler:
             num_new = min(seq.num_tokens - num_cached, budget, self._chunk_cap())
             if self.bounds.policy is not None:  # the first chunk evicts nothing (see max_hit_blocks)
                 num_new = min(num_new, self.bounds.policy.budget - num_cached)
-            total = self.pool.blocks_for(num_cached + num_new)
-            revived = sum(1 for b in hits if self.pool.ref_counts[b] == 0)  # cached blocks leaving the LRU
-            if total - len(hits) + revived > self.pool.num_free_blocks:
+            # a sliding window's hit takes only the blocks its queries still see (vLLM's rule); taking every
+            # hit could need more blocks than the pool has, and the request waited forever (issue 32)
+            first = min(self.bounds.first_visible_block(seq, num_cached), len(hits))
+            kept = hits[first:]
+            total = self.pool.blocks_for(num_cached + num_new) - first
+            revived = sum(1 for b in kept if self.pool.ref_counts[b] == 0)  # cached blocks leaving the LRU
+            if total - len(kept) + revived > self.pool.num_free_blocks:
                 break
             self.waiting.popleft()
-            self.pool.acquire(hits)
-            seq.block_table = hits + self.pool.allocate(total - len(hits))
+            self.pool.acquire(kept)
+            seq.block_table = [NULL_BLOCK] * first + kept + self.pool.allocate(total - len(kept))
             seq.block_keys = keys[:len(hits)]
             seq.num_computed_tokens = num_cached
-            self.bounds.trim(seq)  # a sliding window's hit may hold blocks before the window
             self.prefix_cache.record(seq.num_tokens, num_cached)
             if not seq.request.admitted:
                 seq.request.admitted = True
@@ -142,9 +152,12 @@ class Scheduler:
         return cap if cap is not None else self.max_num_batched_tokens
 
     def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
+        """Free blocks this step takes for `seq`: its growth, the private copies of its sink rows, and the
+        copy-on-write of a partially filled last block, counted once when the sinks' copy already makes
+        that block private (counting it twice made a lone request preempt itself forever: issue 32)."""
         start = seq.num_computed_tokens
-        need = self.pool.blocks_for(start + num_new) - len(seq.block_table)
-        if self._shared_tail(seq):
+        need = self.pool.blocks_for(start + num_new) - len(seq.block_table) + self.bounds.sink_blocks_needed(seq)
+        if self._shared_tail(seq) and start // self.pool.block_size not in self.bounds.sink_indices(seq):
             need += 1  # copy-on-write of a partially filled block shared with a fork
         return need
 
@@ -226,6 +239,8 @@ class Scheduler:
         params = seq.request.params
         num_new = len(seq.token_ids) - seq.request.num_prompt_tokens
         reason = stop_reason(token, num_new, seq.request.stop_ids, seq.request.max_tokens)
+        if seq.sampler.failure is not None:  # its grammar failed: what it has is no finished answer
+            reason = StopReason.ABORT
         if seq.decoder is not None and reason is not StopReason.EOS:  # a stop token is kept in ids, not text
             before = len(seq.text)
             seq.text += seq.decoder.push(token)
