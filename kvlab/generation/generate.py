@@ -28,7 +28,7 @@ def stream_generate(model: LlamaModel, ids: Any, max_new_tokens: int | None = No
                     seed: int | None = None, stop_token_ids: Iterable[int] = (),
                     pad_token_id: int | None = None, use_cache: bool = True,
                     cache: KVCache | None = None, kv_dtype: object = None,
-                    policy: Policy | None = None) -> DecodeLoop:
+                    policy: Policy | None = None, grammar: Any = None) -> DecodeLoop:
     """Yield a [B] array of token ids per step.
 
     `ids` [B, T] is the prompt (with a `cache`, only the positions after it). A row that emits one of
@@ -39,7 +39,7 @@ def stream_generate(model: LlamaModel, ids: Any, max_new_tokens: int | None = No
     full, so generation is no longer bounded by the context: `max_new_tokens` must then be given.
     """
     ids = validate_ids(ids, model.config.vocab_size)
-    params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+    params = SamplingParams(temperature, top_k, top_p, min_p, seed, grammar=grammar)  # grammar: every row
     vocab = model.config.vocab_size
     stop = np.array(sorted(set(validate.token_ids(stop_token_ids, "stop_token_ids", vocab))), dtype=np.int64)
     pad = validate.optional_int(pad_token_id, "pad_token_id", 0, vocab - 1)

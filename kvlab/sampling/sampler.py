@@ -3,7 +3,9 @@
 Parameter names and meanings follow vLLM's SamplingParams: temperature 0 is greedy; top_k 0 or -1 is
 off; top_p 1.0 is off; min_p 0.0 is off; seed None or -1 (llama.cpp's spelling) draws a fresh seed.
 The engine's fields (n, max_tokens, stop_token_ids, stop, ignore_eos, logprobs) come after the first
-five, which `generate` passes positionally.
+five, which `generate` passes positionally. `grammar` (a CompiledGrammar, kvlab/sampling/grammar.py)
+constrains every draw: each sampler owns its sequence's matcher, masks the logits before the draw and feeds
+the chosen token to the matcher after it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 
 from kvlab import validate
 from kvlab.errors import InputError
+from kvlab.sampling.grammar import CompiledGrammar, GrammarMatcher, mask_logits
 
 # Below this, logits / temperature overflows float64 for logits of ordinary size; vLLM treats temperatures
 # under 1e-5 as greedy, we refuse them so the user knows which one they got.
@@ -35,6 +38,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    grammar: CompiledGrammar | None = None
 
     def __post_init__(self) -> None:
         # One checker per kind of value (kvlab.validate), shared with the CLI and the server. Each field is
@@ -70,6 +74,22 @@ class SamplingParams:
             raise InputError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
         object.__setattr__(self, "stop", stop)
+        self._check_grammar()
+
+    def _check_grammar(self) -> None:
+        """A grammar's answer ends only at the EOS, when the grammar accepts: anything else that could end
+        it early would return a cut answer as finished ("stop")."""
+        if self.grammar is None:
+            return
+        if not isinstance(self.grammar, CompiledGrammar):
+            raise InputError(f"grammar must be a CompiledGrammar (kvlab.sampling.grammar.compile_grammar), "
+                             f"got {type(self.grammar).__name__}")
+        if self.ignore_eos:
+            raise InputError("ignore_eos cannot be combined with structured output: the answer ends at the "
+                             "end-of-sequence token the grammar allows once it is complete")
+        if self.stop or self.stop_token_ids:
+            raise InputError("stop strings and stop_token_ids cannot be combined with structured output: an "
+                             "answer cut there would not match the grammar")
 
     def for_sample(self, index: int) -> "SamplingParams":
         """The parameters of sample `index` of n: seed + index (vLLM), so samples differ but reproduce."""
@@ -102,6 +122,27 @@ class Sampler:
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         self.rng = np.random.default_rng(params.seed)
+        self.matchers: list[GrammarMatcher] = []  # one per row, made at the first call (params.grammar)
+
+    def row_matchers(self, rows: int) -> list[GrammarMatcher | None]:
+        """The grammar matcher of each of `rows` rows (None without a grammar)."""
+        if self.params.grammar is None:
+            return [None] * rows
+        while len(self.matchers) < rows:
+            self.matchers.append(self.params.grammar.matcher())
+        return list(self.matchers[:rows])
+
+    def accept(self, tokens: np.ndarray) -> None:
+        """Feed each row's chosen token to its matcher (rows whose matcher is done are padding)."""
+        for matcher, token in zip(self.matchers, np.asarray(tokens).reshape(-1).tolist()):
+            if not matcher.done and matcher.error is None:
+                matcher.advance(token)
+
+    @property
+    def failure(self) -> str | None:
+        """Why a row's grammar matcher failed (a forbidden token or a step past its limits), or None: a
+        sequence with a failure must not be reported as a finished answer."""
+        return next((m.error for m in self.matchers if m.error is not None), None)
 
     def probabilities(self, logits: np.ndarray) -> np.ndarray:
         """The distribution sampled from, after temperature and the top-k/top-p/min-p filters."""
@@ -125,6 +166,14 @@ class Sampler:
         return probs / probs.sum(axis=-1, keepdims=True)
 
     def __call__(self, logits: np.ndarray) -> np.ndarray:
+        """Token ids [B] for logits [B, vocab]: masked by the grammar, drawn, then fed to the matchers."""
+        logits = mask_logits(logits, self.row_matchers(logits.shape[0]))
+        tokens = self.draw(logits)
+        self.accept(tokens)
+        return tokens
+
+    def draw(self, logits: np.ndarray) -> np.ndarray:
+        """Token ids from logits as they are (no grammar)."""
         if self.params.greedy:
             return np.argmax(logits, axis=-1).astype(np.int64)
         probs = self.probabilities(logits)
@@ -136,12 +185,14 @@ class Sampler:
 def sample_rows(samplers: list[Sampler], logits: np.ndarray) -> np.ndarray:
     """One token per row of [R, vocab] `logits`, row i drawn by `samplers[i]`: the greedy rows in one argmax
     over them all; each seeded row by its own generator, so a request's tokens do not depend on who shares
-    its step."""
+    its step. Grammar rows are masked first (their masks filled together), and their matchers advanced after."""
     tokens = np.empty(len(samplers), dtype=np.int64)
+    logits = mask_logits(logits, [sampler.row_matchers(1)[0] for sampler in samplers])
     greedy = [i for i, sampler in enumerate(samplers) if sampler.params.greedy]
     if greedy:
         tokens[greedy] = np.argmax(logits[greedy], axis=-1)
     for i, sampler in enumerate(samplers):
         if not sampler.params.greedy:
-            tokens[i] = sampler(logits[i:i + 1])[0]
+            tokens[i] = sampler.draw(logits[i:i + 1])[0]
+        sampler.accept(tokens[i:i + 1])
     return tokens

@@ -130,7 +130,7 @@ class Session:
     # --- generation ----------------------------------------------------------------------------------------
     def stream(self, max_new_tokens: int | None = None, *, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
-               stop_token_ids: Iterable[int] = ()) -> Iterator[int]:
+               stop_token_ids: Iterable[int] = (), grammar: Any = None) -> Iterator[int]:
         """Yield new token ids, continuing the conversation; sampling arguments as in `stream_generate`.
 
         Each token is fed back before it is yielded, so at every moment the session (tokens, cache,
@@ -149,7 +149,7 @@ class Session:
         if max_new_tokens > room:
             raise ContextLengthError(f"{len(self._tokens)} cached tokens + {max_new_tokens} new tokens "
                                      f"exceed the model's context of {self.context_length} tokens")
-        sampler = Sampler(SamplingParams(temperature, top_k, top_p, min_p, seed))
+        sampler = Sampler(SamplingParams(temperature, top_k, top_p, min_p, seed, grammar=grammar))
         self.cache.check_compatible(self.model.cache_spec, 1)
         stop = frozenset(validate.token_ids(stop_token_ids, "stop_token_ids", self.model.config.vocab_size))
         return DecodeLoop(self._step, sampler, int(max_new_tokens), stop, room=room, feed_back=True, single=True)
