@@ -23,8 +23,9 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvlab import validate
-from kvlab.errors import ContextLengthError, KVLabError
+from kvlab.errors import ContextLengthError, InputError, KVLabError
 from kvlab.prefix.block_hash import root_key
+from kvlab.sampling.grammar import CompiledGrammar, compile_grammar, grammar_vocab
 from kvlab.serve.guard import RequestGuard
 from kvlab.serve.limits import DEFAULT_MAX_REQUEST_BYTES
 from kvlab.serve.http import AbortingStreamingResponse, APIKeyMiddleware, unless_disconnected
@@ -55,6 +56,7 @@ class ServerState:
         self.max_model_len = int(engine.max_model_len)
         self.engine_policy = getattr(engine, "kv_policy", None)  # --kv-policy: prompts may outgrow the context
         self.vocab_size = int(engine.model.config.vocab_size)
+        self.eos_token_ids = tuple(sorted(engine.eos_token_ids))
         self.created = int(time.time())
         self.hide_cache_text = hide_cache_text
         self.max_token_chars = max(int(getattr(tokenizer, "max_token_chars", 1) or 1), 1)
@@ -104,6 +106,19 @@ class ServerState:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise bad_request(NO_CHAT_TEMPLATE, "messages", "chat_template_missing")
         return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+
+    async def compile_grammar(self, body: Any) -> CompiledGrammar | None:
+        """The request's grammar compiled for this model's vocabulary (None for free text), in a worker thread:
+        a large schema never stalls other clients; equal grammars come from the cache. A 400 naming the
+        field when the grammar is invalid or past the grammar engine's limits."""
+        spec = body.grammar_spec()
+        if spec is None:
+            return None
+        try:
+            return await asyncio.to_thread(
+                lambda: compile_grammar(spec, grammar_vocab(self.tokenizer, self.vocab_size, self.eos_token_ids)))
+        except InputError as exc:
+            raise bad_request(str(exc), body.grammar_field(), "invalid_grammar") from None
 
     def visible_state(self, snapshot: dict[str, Any], cache_salt: str | None) -> dict[str, Any]:
         """The cache state a caller may see: a block's text, tokens and hashes only when it belongs to no
@@ -227,7 +242,8 @@ def create_app(engine: Any, tokenizer: Any, *, model_names: list[str], model_roo
         body.check_supported()
         state.check_ids(body.stop_token_ids, "stop_token_ids")
         prompts = await state.encode_prompts(body.prompts())
-        params = body.sampling_params(body.max_tokens, body.logprobs)
+        grammar = await state.compile_grammar(body)
+        params = body.sampling_params(body.max_tokens, body.logprobs, grammar)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         group = await loop.add([(rid, p, params, body.cache_salt) for rid, p in zip(ids, prompts)])
@@ -242,7 +258,8 @@ def create_app(engine: Any, tokenizer: Any, *, model_names: list[str], model_roo
         body.check_supported()
         state.check_ids(body.stop_token_ids, "stop_token_ids")
         prompt = await state.render_chat(body.messages, body.add_generation_prompt)
-        params = body.sampling_params(body.max_new_tokens, body.num_logprobs)
+        grammar = await state.compile_grammar(body)
+        params = body.sampling_params(body.max_new_tokens, body.num_logprobs, grammar)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         group = await loop.add([(request_id, prompt, params, body.cache_salt)])
         return await _respond(group, request, body, StreamRenderer(

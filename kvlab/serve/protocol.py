@@ -1,7 +1,9 @@
 """The wire format: OpenAI request bodies as validated pydantic models, and OpenAI-shaped errors.
 
 Field names and meanings follow the OpenAI API, plus vLLM's sampling extensions (`top_k`, `min_p`,
-`ignore_eos`, `stop_token_ids`, `cache_salt`), so clients written for either work unchanged. Anything a
+`ignore_eos`, `stop_token_ids`, `cache_salt`), so clients written for either work unchanged. Structured output
+comes in each server's spelling: OpenAI's `response_format`, vLLM's `structured_outputs` and llama.cpp's
+`grammar` / `json_schema`; `grammar_spec()` turns whichever was sent into one GrammarSpec. Anything a
 client can send is checked here or by the engine's own validation before it reaches the engine loop; the
 engine never sees a value of the wrong type.
 """
@@ -12,6 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
+from kvlab.errors import InputError
+from kvlab.sampling.grammar import GrammarSpec
 from kvlab.sampling.sampler import SamplingParams
 
 MAX_LOGPROBS = 20          # OpenAI's bound for logprobs / top_logprobs
@@ -50,6 +54,40 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    """OpenAI's `response_format.json_schema`: {name, schema, strict, description}."""
+
+    name: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's `response_format`: {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs`: exactly one of json (a schema), regex, choice, grammar (GBNF/Lark), or
+    json_object."""
+
+    json_: dict[str, Any] | str | bool | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+def _spec(make: Any, param: str, *args: Any) -> GrammarSpec:
+    try:
+        return make(*args)
+    except InputError as exc:
+        raise bad_request(str(exc), param, "invalid_grammar") from None
+
+
 class _SamplingBody(_Body):
     """Fields both endpoints share."""
 
@@ -70,6 +108,10 @@ class _SamplingBody(_Body):
     user: str | None = None
     presence_penalty: float = Field(0.0, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, allow_inf_nan=False)
+    response_format: ResponseFormat | None = None          # OpenAI
+    structured_outputs: StructuredOutputs | None = None    # vLLM
+    grammar: str | None = None                             # llama.cpp: GBNF
+    json_schema: dict[str, Any] | None = None              # llama.cpp: a JSON schema
 
     @field_validator("stop")
     @classmethod
@@ -89,16 +131,66 @@ class _SamplingBody(_Body):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
+    def grammar_spec(self) -> GrammarSpec | None:
+        """What the answer must match, from whichever field was sent (only one may be); None for free text.
+        A bad value is a 400 naming the field; compiling it (kvlab.serve.app) checks it against the grammar
+        engine."""
+        field = self.grammar_field()
+        if field is None:
+            return None
+        if field == "grammar":
+            return _spec(GrammarSpec.grammar, "grammar", self.grammar)
+        if field == "json_schema":
+            return _spec(GrammarSpec.json_schema, "json_schema", self.json_schema)
+        if field == "response_format":
+            return self._response_format_spec()
+        return self._structured_outputs_spec()
+
+    def grammar_field(self) -> str | None:
+        """The one field that structures the output, or None (a 400 when several do)."""
+        given = [name for name in ("response_format", "structured_outputs", "grammar", "json_schema")
+                 if getattr(self, name) is not None and not (name == "response_format"
+                                                              and self.response_format.type == "text")]
+        if len(given) > 1:
+            raise bad_request(f"give one way of structuring the output, not {' and '.join(given)}", given[1])
+        return given[0] if given else None
+
+    def _response_format_spec(self) -> GrammarSpec:
+        fmt = self.response_format
+        if fmt.type == "json_object":
+            return GrammarSpec.json_object()
+        if fmt.type != "json_schema":
+            raise bad_request(f"response_format.type {fmt.type!r} is not supported: use 'text', 'json_object' "
+                              "or 'json_schema'", "response_format", "invalid_response_format")
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise bad_request("response_format of type 'json_schema' needs json_schema.schema",
+                              "response_format", "invalid_response_format")
+        return _spec(GrammarSpec.json_schema, "response_format", fmt.json_schema.schema_)
+
+    def _structured_outputs_spec(self) -> GrammarSpec:
+        so = self.structured_outputs
+        given = [name for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                          ("grammar", so.grammar), ("json_object", so.json_object or None))
+                 if value is not None]
+        if len(given) != 1:
+            raise bad_request("structured_outputs needs exactly one of json, regex, choice, grammar, json_object"
+                              + (f" (got {', '.join(given)})" if given else ""), "structured_outputs")
+        make = {"json": lambda: GrammarSpec.json_schema(so.json_), "regex": lambda: GrammarSpec.regex(so.regex),
+                "choice": lambda: GrammarSpec.choice(so.choice), "grammar": lambda: GrammarSpec.grammar(so.grammar),
+                "json_object": GrammarSpec.json_object}[given[0]]
+        return _spec(make, "structured_outputs")
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, grammar: Any = None) -> SamplingParams:
+        """`grammar`: the CompiledGrammar of `grammar_spec()`, or None."""
         temperature = self.temperature if self.temperature >= GREEDY_BELOW else 0.0
         return SamplingParams(n=self.n, max_tokens=max_tokens, temperature=temperature, top_p=self.top_p,
                               top_k=self.top_k, min_p=self.min_p, seed=self.seed,
                               stop_token_ids=tuple(self.stop_token_ids), stop=tuple(self.stop),
-                              ignore_eos=self.ignore_eos, logprobs=logprobs)
+                              ignore_eos=self.ignore_eos, logprobs=logprobs, grammar=grammar)
 
 
 Prompt = str | list[str] | list[StrictInt] | list[list[StrictInt]]
