@@ -17,7 +17,8 @@ from typing import Any, Iterator, TextIO
 from kvlab.cli.checks import check_sampling_flags, draw_seed, drawn_seed_note
 from kvlab.cli.fmt import human_bytes
 from kvlab.cli.model_flags import add_activations_flag
-from kvlab.cli.sampling_flags import add_sampling_flags, sampling_settings
+from kvlab.cli.sampling_flags import (add_grammar_flags, add_sampling_flags, compiled_grammar, grammar_spec,
+                                      sampling_settings)
 from kvlab.sampling.defaults import ResolvedSampling
 from kvlab.errors import InputError, KVLabError
 from kvlab.model.llama import LlamaModel, TinyLlama
@@ -54,6 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--system", default=None, help="a system message (plain continuation: leading text)")
     p.add_argument("--history", metavar="FILE", default=None, help="keep readline history in FILE (TTY)")
     add_activations_flag(p)
+    add_grammar_flags(p)
     p.set_defaults(run=run)
 
 
@@ -182,6 +184,7 @@ class Chat:
         self.session = Session(model, kv_dtype=args.kv_dtype)
         self.conversation = self._fresh()
         self.stop = stop_ids(model, tokenizer)
+        self.grammar = compiled_grammar(args, tokenizer, model.config.vocab_size, self.stop)  # every reply
         self.replies = 0
 
     def _fresh(self) -> Conversation:
@@ -294,7 +297,7 @@ class Chat:
         turn = self.session.feed(ids)
         room = self.model.config.max_position_embeddings - len(ids)
         stream = self.session.stream(min(a.max_tokens, room), **self.sampling.values, stop_token_ids=self.stop,
-                                     seed=None if a.seed is None else a.seed + self.replies)
+                                     seed=None if a.seed is None else a.seed + self.replies, grammar=self.grammar)
         self.replies += 1
         new: list[int] = []
         decoder = stream_decoder(self.tokenizer, ids)
@@ -322,6 +325,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise InputError("--max-tokens must be >= 1")
     check_sampling_flags(args)  # fail before chatting
+    grammar_spec(args)  # a bad grammar or schema too
     seed_drawn = draw_seed(args)  # -1: a seed drawn now and said, so reply i's seed + i can be repeated
     sampling_settings(args, None, model_known=False)  # a bad flag fails before chatting
     model, tokenizer, name = load_model(args)

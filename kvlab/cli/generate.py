@@ -19,7 +19,8 @@ from kvlab.cache.kv_cache import KVCache
 from kvlab.cli.checks import check_sampling_flags, draw_seed, drawn_seed_note
 from kvlab.cli.fmt import human_bytes, read_stdin
 from kvlab.cli.model_flags import add_activations_flag
-from kvlab.cli.sampling_flags import add_sampling_flags, sampling_settings
+from kvlab.cli.sampling_flags import (add_grammar_flags, add_sampling_flags, compiled_grammar, grammar_spec,
+                                      sampling_settings)
 from kvlab.generation.generate import stream_generate
 from kvlab.errors import ContextLengthError, InputError
 from kvlab.kernels import CompileCounter
@@ -62,6 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="reuse the KV cache saved in FILE for the prompt's common prefix, then save the "
                         "prompt and the new tokens back to it (llama.cpp's --prompt-cache)")
     add_activations_flag(p)
+    add_grammar_flags(p)
     p.set_defaults(run=run)
 
 
@@ -248,6 +250,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens == 0 or args.max_tokens < -1:
         raise InputError(f"--max-tokens must be >= 1, or -1 for no limit (got {args.max_tokens})")
     check_sampling_flags(args)  # fail before loading
+    grammar_spec(args)  # a bad grammar or schema fails before loading too
     seed_drawn = draw_seed(args)
     resolved = sampling_settings(args, args.model)
     model, tokenizer = load(args.model, dtype=args.dtype, activations=args.activations)
@@ -273,7 +276,8 @@ def run(args: argparse.Namespace) -> int:
         if seed_drawn:
             print(drawn_seed_note(args.seed), file=sys.stderr, flush=True)
     stream.start()
-    sampling = dict(**resolved.values, seed=args.seed)
+    sampling = dict(**resolved.values, seed=args.seed,
+                    grammar=compiled_grammar(args, tokenizer, model.config.vocab_size, stop))
     try:
         if args.prompt_cache and policy is not None:
             raise InputError("--prompt-cache cannot be combined with --context-shift or --cache-policy: a "
