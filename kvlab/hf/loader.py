@@ -19,6 +19,7 @@ from kvlab.config import ModelConfig
 from kvlab.errors import CheckpointError, ConfigError
 from kvlab.chat_template import ChatTemplate
 from kvlab.progress import weight_progress
+from kvlab.hf.fused import split_fused, stored_shapes
 from kvlab.hf.safetensors import SafetensorsHeader, open_tensors, read_header
 from kvlab.model.llama import LlamaModel
 from kvlab.model.weights import HALF_DTYPES, IGNORED_SUFFIXES, expected_shapes, optional_shapes
@@ -94,8 +95,9 @@ def weight_headers(folder: Path) -> tuple[list[SafetensorsHeader], dict[str, Pat
 
 
 def check_headers(config: ModelConfig, headers: list[SafetensorsHeader], source: str) -> None:
-    """Name, shape and dtype of every tensor against the config, naming the file that holds it."""
-    required, optional = expected_shapes(config), optional_shapes(config)
+    """Name, shape and dtype of every tensor against the config, naming the file that holds it (under the
+    checkpoint's own names: Phi-3's fused matrices, kvlab/hf/fused.py)."""
+    required, optional = stored_shapes(config, expected_shapes(config)), optional_shapes(config)
     present: set[str] = set()
     for header in headers:
         for name, info in header.tensors.items():
@@ -155,7 +157,7 @@ def load_model(path: str | Path | None = None, dtype: Any = "float32", progress:
     check_headers(config, headers, source)
     if weights_dtype not in ("auto", "float32", "float64", "float16", "bfloat16"):
         raise ConfigError(f"weights_dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got {weights_dtype!r}")
-    weights = read_weights(headers, dtype, progress, keep_half=weights_dtype != dtype.name)
+    weights = split_fused(config, read_weights(headers, dtype, progress, keep_half=weights_dtype != dtype.name))
     return LlamaModel(config, weights=weights, dtype=dtype, source=source,
                       weights_dtype=None if weights_dtype == dtype.name else weights_dtype, backend=backend)
 

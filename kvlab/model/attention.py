@@ -48,7 +48,10 @@ class ContiguousAttention:
     """B sequences of a Cache (or none: the new rows only), each with the same `positions` [T] this forward.
 
     The flat batch is row-major: token t of sequence b is row b * T + t. `compiled` asks for the kernels;
-    they run only on a cache that can be read in place (`cache.in_place`: a float store).
+    they run only on a cache that can be read in place (`cache.in_place`: a float store). A model whose
+    layers differ in window (Gemma's sliding and full layers) gets one plan per window, each layer the
+    plan of its own (`ModelConfig.layer_window`); soft-capped scores (Gemma 2) take the NumPy reference,
+    which the kernels do not cap.
     """
 
     def __init__(self, cache: Cache | None, positions: np.ndarray, batch: int, config: ModelConfig,
@@ -57,25 +60,21 @@ class ContiguousAttention:
         self.num_new = len(positions)
         key_positions = positions if cache is None else np.append(cache.positions, positions)
         self.num_keys = len(key_positions)
-        self.mask = attention_mask(positions, key_positions, causal=config.causal,
-                                   sliding_window=config.sliding_window)
+        self.scale, self.logit_cap = config.attention_scale, config.attn_logit_softcapping
+        compiled = compiled and self.logit_cap is None
         self.in_place = compiled and (cache is None or cache.in_place)
-        self.ranges = self.decode = None
-        if self.in_place:
-            from kvlab.kernels import attention as decode_kernels, prefill_attention
+        windows = [config.layer_window(i) for i in range(config.num_hidden_layers)]
+        plans = {w: _ContiguousPlan(self, positions, key_positions, config, w) for w in dict.fromkeys(windows)}
+        self.layer_plans = [plans[w] for w in windows]
+        self.mask = self.layer_plans[0].mask  # the first layer's (every layer's, but on hybrid models)
+        if cache is not None and cache.quantized and any(p.decode is None for p in plans.values()):
+            self.in_place = False  # codes are read in place by the decode kernel only
+        if not self.in_place:
+            for plan in plans.values():
+                plan.ranges = plan.decode = None
 
-            self._prefill = prefill_attention
-            if self.num_new == 1 and self.mask is None:  # a decode step that sees every key (no window)
-                starts, ends = np.zeros(batch, dtype=np.int64), np.full(batch, self.num_keys, dtype=np.int64)
-                self.decode = _DecodeCall(decode_kernels, starts, ends, config, self.dtype)
-                return
-            # each query's visible keys as one run lo..hi-1; None (some row's keys are not one run): attend
-            self.ranges = prefill_attention.key_ranges(self.mask, batch, self.num_new, self.num_keys)
-            if self.ranges is not None and self.num_new == 1:
-                lo, hi = self.ranges
-                self.decode = _DecodeCall(decode_kernels, lo[:, 0].copy(), hi[:, 0].copy(), config, self.dtype)
-            elif cache is not None and cache.quantized:  # codes are read in place by the decode kernel only
-                self.in_place, self.ranges = False, None
+    def mask_of(self, layer: int) -> np.ndarray | None:
+        return self.layer_plans[layer].mask
 
     def _heads_first(self, x: np.ndarray) -> np.ndarray:
         """[N, H, d] rows of the flat batch as [B, H, T, d] (a view)."""
@@ -94,24 +93,52 @@ class ContiguousAttention:
             k, v, _ = self.cache.update(layer, k, v, self.positions)
         return self._heads_first(q), k, v
 
+    def attend(self, layer: int, q4: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """The NumPy reference over gathered rows, with the layer's mask, scale and soft-cap."""
+        return self.merge(attend(q4, keys, values, self.layer_plans[layer].mask, self.scale, self.logit_cap))
+
     def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         if not self.in_place:
-            q4, keys, values = self.gather(layer, q, k, v)
-            return self.merge(attend(q4, keys, values, self.mask))
-        if self.decode is not None:  # one new row per sequence: [B, H_kv, d] -> [B, H_kv, 1, d]
+            return self.attend(layer, *self.gather(layer, q, k, v))
+        plan = self.layer_plans[layer]
+        if plan.decode is not None:  # one new row per sequence: [B, H_kv, d] -> [B, H_kv, 1, d]
             k4, v4 = k[:, :, None], v[:, :, None]
             if self.cache is not None:  # the layer's whole storage arrays; rows < num_keys are valid
                 k4, v4 = self.cache.append(layer, k4, v4, self.positions)
-            return self.decode(q, k4, v4)
+            return plan.decode(q, k4, v4)
         k4, v4 = self._heads_first(k), self._heads_first(v)
         if self.cache is not None:
             k4, v4 = self.cache.append(layer, k4, v4, self.positions)
         q4 = self._heads_first(q)
-        if self.ranges is not None:
-            return self.merge(self._prefill.prefill_attention(q4, k4, v4, *self.ranges))
+        if plan.ranges is not None:
+            return self.merge(plan.prefill.prefill_attention(q4, k4, v4, *plan.ranges, scale=self.scale))
         end = self.num_keys  # a mask the kernels cannot take: the NumPy reference on widened rows
-        return self.merge(attend(q4, k4[:, :, :end].astype(self.dtype), v4[:, :, :end].astype(self.dtype),
-                                  self.mask))
+        return self.attend(layer, q4, k4[:, :, :end].astype(self.dtype), v4[:, :, :end].astype(self.dtype))
+
+
+class _ContiguousPlan:
+    """What every layer of one window shares in a forward: its mask and, compiled, its kernel call
+    (a decode step's key ranges) or each query's key range (prefill)."""
+
+    def __init__(self, owner: ContiguousAttention, positions: np.ndarray, key_positions: np.ndarray,
+                 config: ModelConfig, window: int | None) -> None:
+        batch = owner.batch
+        self.mask = attention_mask(positions, key_positions, causal=config.causal, sliding_window=window)
+        self.ranges = self.decode = None
+        if not owner.in_place:
+            return
+        from kvlab.kernels import attention as decode_kernels, prefill_attention
+
+        self.prefill = prefill_attention
+        if owner.num_new == 1 and self.mask is None:  # a decode step that sees every key (no window)
+            starts, ends = np.zeros(batch, dtype=np.int64), np.full(batch, owner.num_keys, dtype=np.int64)
+            self.decode = _DecodeCall(decode_kernels, starts, ends, config, owner.dtype)
+            return
+        # each query's visible keys as one run lo..hi-1; None (some row's keys are not one run): attend
+        self.ranges = prefill_attention.key_ranges(self.mask, batch, owner.num_new, owner.num_keys)
+        if self.ranges is not None and owner.num_new == 1:
+            lo, hi = self.ranges
+            self.decode = _DecodeCall(decode_kernels, lo[:, 0].copy(), hi[:, 0].copy(), config, owner.dtype)
 
 
 class _DecodeCall:
@@ -129,7 +156,7 @@ class _DecodeCall:
         self.kernel = kernels.decode_kernel(int((self.ends - self.starts).sum()) * kv_heads)
         self.operands, self.span = kernels.kernel_operands, kernels.SPAN
         self.tables = np.arange(batch, dtype=np.int64)[:, None]  # a contiguous cache: one block per row
-        self.scale, self.zero = dtype.type(1.0 / np.sqrt(head_dim)), dtype.type(0)
+        self.scale, self.zero = dtype.type(config.attention_scale), dtype.type(0)
         self.out = np.empty((batch, heads, head_dim), dtype=dtype)  # reused: each layer's o is used at once
         self.merged = self.out.reshape(batch, heads * head_dim)
 
@@ -155,8 +182,8 @@ class ObservedAttention:
 
     def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         q4, keys, values = self.inner.gather(layer, q, k, v)
-        out = self.inner.merge(attend(q4, keys, values, self.inner.mask))
-        self.observer(layer, q4, keys, self.inner.mask)
+        out = self.inner.attend(layer, q4, keys, values)
+        self.observer(layer, q4, keys, self.inner.mask_of(layer))
         return out
 
 
@@ -167,13 +194,17 @@ class PagedAttention:
     One-token sequences (decodes) share one padded attention call; compiled on a float pool, every prefill
     chunk (each its own length and cached prefix) attends in one more call, kernels that read the blocks
     in place. Otherwise (or for a chunk whose visible keys are not one run per query) the NumPy reference
-    gathers them sequence by sequence (model/paged_attention.py).
+    gathers them sequence by sequence (model/paged_attention.py). What depends on the window (decode key
+    starts, prefill key ranges) is one plan per distinct layer window; soft-capped scores (Gemma 2) take
+    the NumPy reference.
     """
 
     def __init__(self, pool: PagedKV, batch: BatchInput, config: ModelConfig, compiled: bool) -> None:
         self.key_cache, self.value_cache = pool.key_cache, pool.value_cache
         self.slot_mapping = batch.slot_mapping
-        self.causal, self.window = config.causal, config.sliding_window
+        self.causal = config.causal
+        self.scale, self.logit_cap = config.attention_scale, config.attn_logit_softcapping
+        compiled = compiled and self.logit_cap is None
         self.heads, self.head_dim = config.num_attention_heads, config.head_dim
         positions = self.positions = np.asarray(batch.positions, dtype=np.int64)
         self.context_lens = batch.context_lens
@@ -186,65 +217,80 @@ class PagedAttention:
             self.decode_tables = _padded([batch.block_tables[i] for i in self.decodes])
             self.decode_positions = positions[self.decode_rows][:, None]
             self.decode_lens = np.array([batch.context_lens[i] for i in self.decodes], dtype=np.int64)
-            # a decode sees keys from its window's start (W keys, itself included) to itself
-            self.decode_starts = np.maximum(self.decode_positions[:, 0] - self.window + 1, 0) \
-                if self.window else None
-            if batch.key_starts is not None:  # a cache policy's view start (kvlab/engine/kv_bounds.py)
-                view = np.array([batch.key_starts[i] for i in self.decodes], dtype=np.int64)
-                self.decode_starts = view if self.decode_starts is None else np.maximum(self.decode_starts, view)
         # compiled attention reads a float pool in place, and the decode kernel reads quantized blocks in
         # place too (their StoredCodes); prefill chunks over quantized blocks go through the NumPy gather
         self.in_place = compiled and isinstance(self.key_cache[0], np.ndarray)
         self.decode_in_place = compiled and (self.in_place or hasattr(self.key_cache[0], "stored"))
         self.seq_tables = {i: np.array([batch.block_tables[i]], dtype=np.int64) for i in self.others}
-        self.ranges = {}  # compiled prefill: each chunk's visible keys as one range per query
-        self.prefill = None  # compiled prefill: one call over every chunk with ranges (_PrefillCall)
         if self.decode_in_place:
             from kvlab.kernels import attention as decode_kernels
 
             self._decode = decode_kernels
-        if self.in_place:
-            from kvlab.kernels import prefill_attention
-
-            for i in self.others:
-                query_positions = positions[self.starts[i]:self.starts[i + 1]]
-                mask = attention_mask(query_positions, np.arange(batch.context_lens[i]), causal=self.causal,
-                                      sliding_window=self.window)
-                self.ranges[i] = prefill_attention.key_ranges(mask, 1, len(query_positions),
-                                                              batch.context_lens[i])
-                if self.ranges[i] is not None and batch.key_starts is not None:
-                    lo, hi = self.ranges[i]
-                    self.ranges[i] = (np.maximum(lo, batch.key_starts[i]), hi)
-            ranged = [i for i in self.others if self.ranges[i] is not None]
-            if ranged:
-                self.prefill = _PrefillCall(prefill_attention, ranged, self.starts, self.ranges,
-                                            [batch.block_tables[i] for i in ranged])
+        windows = [config.layer_window(i) for i in range(config.num_hidden_layers)]
+        plans = {w: _PagedPlan(self, batch, w) for w in dict.fromkeys(windows)}
+        self.layer_plans = [plans[w] for w in windows]
 
     def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         key_cache, value_cache = self.key_cache[layer], self.value_cache[layer]
+        plan = self.layer_plans[layer]
         write_slots(key_cache, value_cache, self.slot_mapping, k, v)
         attn = np.empty((q.shape[0], self.heads, self.head_dim), dtype=q.dtype)
         if self.decodes and self.decode_in_place:
             attn[self.decode_rows] = self._decode.paged_decode_attention(
                 q[self.decode_rows], _stored(key_cache), _stored(value_cache), self.decode_tables,
-                self.decode_lens, self.decode_starts)
+                self.decode_lens, plan.decode_starts, scale=self.scale)
         elif self.decodes:
             out = paged_attention(q[self.decode_rows][:, :, None], key_cache, value_cache, self.decode_tables,
                                   self.decode_positions, self.decode_lens, causal=self.causal,
-                                  sliding_window=self.window, key_starts=self.decode_starts)
+                                  sliding_window=plan.window, key_starts=plan.decode_starts, scale=self.scale,
+                                  logit_cap=self.logit_cap)
             attn[self.decode_rows] = out[:, :, 0]
-        if self.prefill is not None:
-            attn[self.prefill.rows] = self.prefill(q, key_cache, value_cache)
+        if plan.prefill is not None:
+            attn[plan.prefill.rows] = plan.prefill(q, key_cache, value_cache, self.scale)
         for i in self.others:
-            if self.ranges.get(i) is not None:
+            if plan.ranges.get(i) is not None:
                 continue
             rows = slice(self.starts[i], self.starts[i + 1])
             out = paged_attention(q[rows].transpose(1, 0, 2)[None], key_cache, value_cache, self.seq_tables[i],
                                   self.positions[rows][None], [self.context_lens[i]], causal=self.causal,
-                                  sliding_window=self.window,
-                                  key_starts=None if self.key_starts is None else [self.key_starts[i]])
+                                  sliding_window=plan.window,
+                                  key_starts=None if self.key_starts is None else [self.key_starts[i]],
+                                  scale=self.scale, logit_cap=self.logit_cap)
             attn[rows] = out[0].transpose(1, 0, 2)
         return attn.reshape(q.shape[0], self.heads * self.head_dim)
+
+
+class _PagedPlan:
+    """What the layers of one window share in a paged forward: each decode's first visible key, each
+    compiled prefill chunk's key ranges and the one kernel call over them."""
+
+    def __init__(self, owner: PagedAttention, batch: BatchInput, window: int | None) -> None:
+        self.window = window
+        self.decode_starts = None
+        self.ranges: dict = {}  # compiled prefill: each chunk's visible keys as one range per query
+        self.prefill = None  # compiled prefill: one call over every chunk with ranges (_PrefillCall)
+        if owner.decodes:
+            # a decode sees keys from its window's start (W keys, itself included) to itself
+            self.decode_starts = np.maximum(owner.decode_positions[:, 0] - window + 1, 0) if window else None
+            if batch.key_starts is not None:  # a cache policy's view start (kvlab/engine/kv_bounds.py)
+                view = np.array([batch.key_starts[i] for i in owner.decodes], dtype=np.int64)
+                self.decode_starts = view if self.decode_starts is None else np.maximum(self.decode_starts, view)
+        if not owner.in_place:
+            return
+        from kvlab.kernels import prefill_attention
+
+        for i in owner.others:
+            query_positions = owner.positions[owner.starts[i]:owner.starts[i + 1]]
+            mask = attention_mask(query_positions, np.arange(batch.context_lens[i]), causal=owner.causal,
+                                  sliding_window=window)
+            self.ranges[i] = prefill_attention.key_ranges(mask, 1, len(query_positions), batch.context_lens[i])
+            if self.ranges[i] is not None and batch.key_starts is not None:
+                lo, hi = self.ranges[i]
+                self.ranges[i] = (np.maximum(lo, batch.key_starts[i]), hi)
+        ranged = [i for i in owner.others if self.ranges[i] is not None]
+        if ranged:
+            self.prefill = _PrefillCall(prefill_attention, ranged, owner.starts, self.ranges,
+                                        [batch.block_tables[i] for i in ranged])
 
 
 def _stored(blocks: object) -> object:
@@ -267,10 +313,11 @@ class _PrefillCall:
         self.hi = np.concatenate([ranges[i][1][0] for i in seqs])
         self.tables = _padded(tables)
 
-    def __call__(self, q: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray) -> np.ndarray:
+    def __call__(self, q: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray,
+                 scale: float | None = None) -> np.ndarray:
         """The chunks' attention [rows, H_q, d] for one layer's q [N, H_q, d] (new K/V written already)."""
         return self.kernels.varlen_prefill_attention(q[self.rows], key_cache, value_cache, self.tables,
-                                                     self.query_starts, self.lo, self.hi)
+                                                     self.query_starts, self.lo, self.hi, scale)
 
 
 def _padded(tables: list[list[int]]) -> np.ndarray:

@@ -68,6 +68,14 @@ def rope_inv_freq(head_dim: int, theta: float = 10000.0, scaling: dict[str, Any]
     return inv_freq
 
 
+def longrope_inv_freq(head_dim: int, theta: float, factors: Any, dtype: Any = np.float64) -> np.ndarray:
+    """LongRoPE's frequencies 1 / (factor_i * theta^(2i/d)) for one factor list (short or long), as
+    transformers computes them (the product in `dtype`, then the reciprocal)."""
+    dtype = np.dtype(dtype)
+    exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(dtype) / dtype.type(head_dim)
+    return (1.0 / (np.asarray(factors, dtype=dtype) * dtype.type(theta) ** exponent)).astype(dtype)
+
+
 def rope_cos_sin(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin tables [..., T, d] for absolute `positions` [..., T]."""
     angles = np.asarray(positions)[..., None].astype(inv_freq.dtype) * inv_freq
@@ -211,7 +219,7 @@ def _check_attention_shapes(q: Any, k: Any, v: Any, query_positions: np.ndarray,
 
 
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
-           scale: float | None = None) -> np.ndarray:
+           scale: float | None = None, logit_cap: float | None = None) -> np.ndarray:
     """grouped_attention with the mask already built ([Tq, Tk], per-row [B, Tq, Tk], or None = all visible).
 
     The model builds the mask once per forward (positions are the same in every layer) and calls this.
@@ -228,7 +236,7 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
     # Scaling q rather than the scores saves a pass over [T_new, T_all] (and is exact when d is 4^n).
     q5 = q.reshape(batch, num_kv_heads, group, num_new, head_dim) * q.dtype.type(scale)
     if num_new <= QUERY_BLOCK:
-        return _attend_block(q5, k, v, mask).reshape(batch, num_heads, num_new, head_dim)
+        return _attend_block(q5, k, v, mask, logit_cap).reshape(batch, num_heads, num_new, head_dim)
     out = np.empty(q5.shape, dtype=np.result_type(q5, v))
     for start in range(0, num_new, QUERY_BLOCK):
         stop = min(start + QUERY_BLOCK, num_new)
@@ -242,11 +250,12 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
             lo, hi = int(visible[0]), int(visible[-1]) + 1
             block_mask = block_mask[..., lo:hi]
         out[:, :, :, start:stop] = _attend_block(q5[:, :, :, start:stop], k[:, :, lo:hi], v[:, :, lo:hi],
-                                                 block_mask)
+                                                 block_mask, logit_cap)
     return out.reshape(batch, num_heads, num_new, head_dim)
 
 
-def _attend_block(q5: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+def _attend_block(q5: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
+                  logit_cap: float | None = None) -> np.ndarray:
     """Scaled queries q5 [B, H_kv, G, n, d] against k, v [B, H_kv, Tk, d]; returns [B, H_kv, G, n, d].
 
     The softmax is left unnormalised until after the value matmul: dividing the [n, d] output instead of
@@ -264,6 +273,8 @@ def _attend_block(q5: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
         scores = qg @ np.swapaxes(k, -1, -2)  # [B, H_kv, G*n, Tk]
     shape = scores.shape
     scores = scores.reshape(batch, num_kv_heads, group, num_new, shape[-1])
+    if logit_cap is not None:  # Gemma 2: scaled scores soft-capped before the mask and softmax
+        softcap(scores, logit_cap)
     if mask is not None:
         cut = np.flatnonzero(~mask.all(axis=-2).reshape(-1, mask.shape[-1]).all(axis=0))
         if cut.size:
@@ -301,6 +312,36 @@ def silu(x: np.ndarray) -> np.ndarray:
     """x * sigmoid(x), as x / (1 + exp(-x)); exp overflow for very negative x correctly gives 0."""
     with np.errstate(over="ignore"):
         return x / (1.0 + np.exp(-x))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation (torch's gelu(approximate="tanh"), Gemma's "gelu_pytorch_tanh"):
+    0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    inner = x * x
+    inner *= 0.044715
+    inner += 1.0
+    inner *= x
+    inner *= math.sqrt(2.0 / math.pi)
+    np.tanh(inner, out=inner)
+    inner += 1.0
+    inner *= x
+    inner *= 0.5
+    return inner
+
+
+def geglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """GELU-tanh(gate) * up: Gemma's gated MLP activation."""
+    out = gelu_tanh(gate)
+    out *= up
+    return out
+
+
+def softcap(x: np.ndarray, cap: float) -> np.ndarray:
+    """cap * tanh(x / cap), in place: Gemma 2's soft-capping of attention scores and logits."""
+    x /= cap
+    np.tanh(x, out=x)
+    x *= cap
+    return x
 
 
 def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:

@@ -41,9 +41,10 @@ from kvlab.kernels import resolve_backend
 from kvlab.model.act_quant import check_activations
 from kvlab.model.attention import Attention, ContiguousAttention, ObservedAttention, Observer, PagedAttention
 from kvlab.model.batch import BatchInput
-from kvlab.model.layers import rope_inv_freq
+from kvlab.model.layers import softcap
 from kvlab.model.ops import Rope, make_ops
 from kvlab.model.quantized import QuantizedMatrix, stack_rows
+from kvlab.model.rope import RopeTables, rotary_row_order
 from kvlab.model.weights import check_weights, fingerprint, random_weights, resolve_weights_dtype
 
 
@@ -66,9 +67,20 @@ class Layer:
     b_qkv: np.ndarray | None
     w_o: np.ndarray            # [hidden, H_q d]
     b_o: np.ndarray | None
-    post_norm: np.ndarray
+    post_norm: np.ndarray      # the MLP's input norm (Gemma's pre_feedforward_layernorm)
     w_gate_up: np.ndarray      # [2 intermediate, hidden]
     w_down: np.ndarray         # [hidden, intermediate]
+    # the families' hooks (None: absent, Llama): per-head norms of q and k before RoPE (Qwen3, Gemma 3),
+    # norms of the attention output and of the MLP output before their residuals (Gemma)
+    q_norm: np.ndarray | None = None
+    k_norm: np.ndarray | None = None
+    attn_out_norm: np.ndarray | None = None
+    mlp_out_norm: np.ndarray | None = None
+
+    @property
+    def plain(self) -> bool:
+        """A Llama block (the fused kernels' shape): no q/k norm and no norms after attention or MLP."""
+        return self.q_norm is None and self.attn_out_norm is None
 
 
 def validate_ids(ids: Any, vocab_size: int) -> np.ndarray:
@@ -97,7 +109,8 @@ def _no_quantized_matrices(activations: str, source: str) -> str:
 
 
 class LlamaModel:
-    """A Llama / Mistral / Qwen2 decoder in NumPy. `forward(ids, cache=..., use_cache=...)`."""
+    """A Llama-family decoder in NumPy (Llama, Mistral, Qwen2/3, SmolLM3, Phi-3/4, Gemma 2/3: the config's
+    hooks, see kvlab/config.py). `forward(ids, cache=..., use_cache=...)`."""
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray] | None = None,
                  dtype: object = np.float32, seed: int = 0, source: str = "weights",
@@ -113,8 +126,9 @@ class LlamaModel:
         self.backend = resolve_backend(backend)
         self.weights_dtype_request = weights_dtype
         self.activations = check_activations(activations)
-        self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, self.dtype)
-        self._cos = self._sin = np.zeros((0, config.head_dim), dtype=self.dtype)
+        self.rope_tables = RopeTables(config, self.dtype)
+        self.inv_freq = self.rope_tables.inv_freq
+        self.layer_rope = [config.layer_rope(i) for i in range(config.num_hidden_layers)]
         self.set_weights(weights if weights is not None else random_weights(config, seed, self.dtype), source)
 
     # --- weights -----------------------------------------------------------------------------------------
@@ -134,7 +148,7 @@ class LlamaModel:
             raise InputError(_no_quantized_matrices(self.activations, source))
         self._weights_fingerprint = fingerprint(self.config, self.dtype, cast)
         self.embed = cast["model.embed_tokens.weight"]
-        self.norm = cast["model.norm.weight"]
+        self.norm = self._norm_weight(cast["model.norm.weight"])
         self.lm_head = self.embed if self.config.tie_word_embeddings else cast["lm_head.weight"]  # [vocab, hidden]
         self.quantized = bool(quantized)  # GGUF blocks kept as stored: the quantized Ops (model/ops.py)
         self.layers = self._quantized_layers(cast) if quantized else self._fuse_layers(cast)
@@ -186,20 +200,55 @@ class LlamaModel:
             w_qkv, w_o, w_gate_up, w_down = take("w_qkv"), take("w_o"), take("w_gate_up"), take("w_down")
             row = 0
             for x in "qkv":  # [out, in] checkpoint matrices stacked: one product gives q, k and v
-                part = cast[f"{attn}{x}_proj.weight"]
+                part = self._qk_rows(x, cast[f"{attn}{x}_proj.weight"])
                 w_qkv[row:row + part.shape[0]] = part
                 row += part.shape[0]
             w_o[...] = cast[attn + "o_proj.weight"]
             w_gate_up[:c.intermediate_size] = cast[mlp + "gate_proj.weight"]
             w_gate_up[c.intermediate_size:] = cast[mlp + "up_proj.weight"]
             w_down[...] = cast[mlp + "down_proj.weight"]
-            has_bias = cast.get(attn + "q_proj.bias") is not None
-            layers.append(Layer(
-                input_norm=cast[p + "input_layernorm.weight"], w_qkv=w_qkv,
-                b_qkv=np.concatenate([cast[f"{attn}{x}_proj.bias"] for x in "qkv"]) if has_bias else None,
-                w_o=w_o, b_o=cast.get(attn + "o_proj.bias"), post_norm=cast[p + "post_attention_layernorm.weight"],
-                w_gate_up=w_gate_up, w_down=w_down))
+            layers.append(Layer(w_qkv=w_qkv, w_o=w_o, w_gate_up=w_gate_up, w_down=w_down,
+                                **self._layer_vectors(cast, i)))
         return layers
+
+    def _qk_rows(self, part: str, weight: Any) -> Any:
+        """q_proj / k_proj rows (or biases) in the head order RoPE tables expect: with partial rotary,
+        each head's rotated channels first in each half (model/rope.py); v and full rotary unchanged."""
+        c = self.config
+        if part == "v" or c.rotary_dim == c.head_dim:
+            return weight
+        heads = c.num_attention_heads if part == "q" else c.num_key_value_heads
+        order = (np.arange(heads)[:, None] * c.head_dim + rotary_row_order(c.head_dim, c.rotary_dim)).reshape(-1)
+        return weight.take_rows(order) if isinstance(weight, QuantizedMatrix) else weight[order]
+
+    def _norm_weight(self, weight: np.ndarray | None) -> np.ndarray | None:
+        """A norm's scale as the forward multiplies by it: w, or Gemma's (1 + w) (in the compute dtype,
+        as transformers adds in float32), channels in the head order for the q/k norms' callers."""
+        if weight is None or not self.config.norm_weight_offset:
+            return weight
+        return weight + self.dtype.type(self.config.norm_weight_offset)
+
+    def _layer_vectors(self, cast: Mapping[str, Any], i: int) -> dict[str, Any]:
+        """Layer i's norms and biases under the family's names (Gemma's post_attention_layernorm is the
+        attention output's norm, its pre_feedforward_layernorm the MLP input's)."""
+        c, p = self.config, f"model.layers.{i}."
+        attn = p + "self_attn."
+        has_bias = cast.get(attn + "q_proj.bias") is not None
+        head_order = rotary_row_order(c.head_dim, c.rotary_dim)
+        vectors: dict[str, Any] = dict(
+            input_norm=self._norm_weight(cast[p + "input_layernorm.weight"]),
+            b_qkv=np.concatenate([self._qk_rows(x, cast[f"{attn}{x}_proj.bias"]) for x in "qkv"])
+            if has_bias else None, b_o=cast.get(attn + "o_proj.bias"))
+        if c.qk_norm:
+            vectors["q_norm"] = self._norm_weight(cast[attn + "q_norm.weight"])[head_order]
+            vectors["k_norm"] = self._norm_weight(cast[attn + "k_norm.weight"])[head_order]
+        if c.sandwich_norm:
+            vectors["attn_out_norm"] = self._norm_weight(cast[p + "post_attention_layernorm.weight"])
+            vectors["post_norm"] = self._norm_weight(cast[p + "pre_feedforward_layernorm.weight"])
+            vectors["mlp_out_norm"] = self._norm_weight(cast[p + "post_feedforward_layernorm.weight"])
+        else:
+            vectors["post_norm"] = cast[p + "post_attention_layernorm.weight"]
+        return vectors
 
     def _quantized_layers(self, cast: Mapping[str, Any]) -> list[Layer]:
         """Per-layer matrices of a quantized model: q/k/v and gate/up stacked by rows as they are stored
@@ -208,15 +257,11 @@ class LlamaModel:
         for i in range(self.config.num_hidden_layers):
             p = f"model.layers.{i}."
             attn, mlp = p + "self_attn.", p + "mlp."
-            has_bias = cast.get(attn + "q_proj.bias") is not None
             layers.append(Layer(
-                input_norm=cast[p + "input_layernorm.weight"],
-                w_qkv=stack_rows([cast[f"{attn}{x}_proj.weight"] for x in "qkv"]),
-                b_qkv=np.concatenate([cast[f"{attn}{x}_proj.bias"] for x in "qkv"]) if has_bias else None,
-                w_o=cast[attn + "o_proj.weight"], b_o=cast.get(attn + "o_proj.bias"),
-                post_norm=cast[p + "post_attention_layernorm.weight"],
+                w_qkv=stack_rows([self._qk_rows(x, cast[f"{attn}{x}_proj.weight"]) for x in "qkv"]),
+                w_o=cast[attn + "o_proj.weight"],
                 w_gate_up=stack_rows([cast[mlp + "gate_proj.weight"], cast[mlp + "up_proj.weight"]]),
-                w_down=cast[mlp + "down_proj.weight"]))
+                w_down=cast[mlp + "down_proj.weight"], **self._layer_vectors(cast, i)))
         return layers
 
     @property
@@ -234,18 +279,11 @@ class LlamaModel:
         return new_cache(self.cache_spec, batch_size, kv_dtype, capacity)
 
     # --- forward -----------------------------------------------------------------------------------------
-    def rope(self, positions: np.ndarray | slice) -> Rope:
+    def rope(self, positions: np.ndarray | slice, kind: str = "global") -> Rope:
         """cos and sign-folded sin ([-sin, sin]) [N, d] of each token's absolute position (an array, or a
-        slice start:end of them: views, no copy), from tables grown by doubling."""
-        end = positions.stop if isinstance(positions, slice) else int(positions.max()) + 1
-        if self._cos.shape[0] < end:
-            size = min(max(end, 2 * self._cos.shape[0], 256), max(end, self.config.max_position_embeddings))
-            angles = np.arange(size).astype(self.dtype)[:, None] * self.inv_freq
-            angles = np.concatenate([angles, angles], axis=-1)
-            sin = np.sin(angles)
-            sin[:, : angles.shape[1] // 2] *= -1  # sign-folded for rotate_halves
-            self._cos, self._sin = np.cos(angles), sin
-        return self._cos[positions], self._sin[positions]
+        slice start:end of them: views, no copy) for a layer kind ("global", "local", "none";
+        model/rope.py), from tables grown by doubling."""
+        return self.rope_tables(positions, kind)
 
     def run_layers(self, token_ids: np.ndarray, positions: np.ndarray | slice,
                    attention: Attention) -> np.ndarray:
@@ -253,10 +291,10 @@ class LlamaModel:
         of consecutive ones): the one layer loop every forward runs. `attention` owns the K/V
         (model/attention.py); returns the final residual stream [N, hidden], before the last norm."""
         x = self.embed_tokens(token_ids)  # a fresh [N, hidden] array: the residual stream, updated in place
-        rope, ops = self.rope(positions), self.ops
+        ropes, ops = {kind: self.rope(positions, kind) for kind in self.rope_tables.kinds}, self.ops
         with np.errstate(over="ignore"):  # swiglu's exp(-gate) may overflow to inf: correct, and silent
             for index, layer in enumerate(self._bound_layers):
-                q, k, v = ops.qkv_rope(x, layer, rope)
+                q, k, v = ops.qkv_rope(x, layer, ropes[self.layer_rope[index]])
                 o = attention(index, q, k, v)
                 ops.output_mlp(x, o, layer)
         return x
@@ -330,12 +368,19 @@ class LlamaModel:
     def embed_tokens(self, ids: np.ndarray) -> np.ndarray:
         """The residual stream of `ids`: a fresh array in the compute dtype, which blocks update in place."""
         if isinstance(self.embed, QuantizedMatrix):  # a quantized table: dequantize just these rows
-            return self.embed.take_rows(ids).dequantize(self.dtype)
-        return self.embed[ids].astype(self.dtype, copy=False)
+            x = self.embed.take_rows(ids).dequantize(self.dtype)
+        else:
+            x = self.embed[ids].astype(self.dtype, copy=False)  # fancy indexing made a fresh array
+        if self.config.scale_embeddings:  # Gemma: times sqrt(hidden), rounded to float32 as transformers does
+            x *= self.dtype.type(np.float32(np.sqrt(self.config.hidden_size)))
+        return x
 
     def final_logits(self, x: np.ndarray) -> np.ndarray:
-        """Final RMSNorm and LM head over hidden states x [..., hidden]."""
-        return self.ops.norm_linear(x, self.norm, self.lm_head)
+        """Final RMSNorm and LM head over hidden states x [..., hidden] (soft-capped where Gemma 2 says)."""
+        logits = self.ops.norm_linear(x, self.norm, self.lm_head)
+        if self.config.final_logit_softcapping is not None:
+            softcap(logits, self.config.final_logit_softcapping)
+        return logits
 
 
 class TinyLlama(LlamaModel):

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, Protocol, Sequence
 import numpy as np
 
 from kvlab.config import ModelConfig
-from kvlab.model.layers import linear, rms_norm, rotate_halves, swiglu
+from kvlab.model.layers import geglu, linear, rms_norm, rotate_halves, swiglu
 from kvlab.model.quantized import QuantizedLinear
 
 Rope = tuple[np.ndarray, np.ndarray]
@@ -49,7 +49,10 @@ class Ops(Protocol):
 
 
 class _Shapes:
-    """Head counts and the RMSNorm epsilon every Ops class needs."""
+    """Head counts, the RMSNorm epsilon and the MLP's activation every Ops class needs, and the block
+    step by step over the class's own products (`_linear`, `norm_linear`): the reference's way, and
+    the compiled classes' way for a layer the fused kernels do not cover (q/k norms, Gemma's norms after
+    attention and MLP, GeGLU: model/llama.Layer.plain)."""
 
     def __init__(self, config: ModelConfig) -> None:
         self.heads, self.kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
@@ -57,10 +60,36 @@ class _Shapes:
         self.qk_heads = self.heads + self.kv_heads  # the heads RoPE rotates: q's and k's
         self.all_heads = self.qk_heads + self.kv_heads
         self.eps = config.rms_norm_eps
+        self.activation = geglu if config.hidden_act == "gelu_pytorch_tanh" else swiglu
+        self.fusable_mlp = config.hidden_act == "silu"  # the fused kernels' activation is SwiGLU
 
     def split(self, qkv: np.ndarray, qk: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """q [N, H_q, d], k [N, H_kv, d] from the rotated heads qk, v [N, H_kv, d] from qkv: views."""
         return qk[:, :self.heads], qk[:, self.heads:self.qk_heads], qkv[:, self.qk_heads:]
+
+    def stepwise_qkv_rope(self, x: np.ndarray, layer: Any, rope: Rope) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """RMSNorm, q/k/v product (+ bias), q/k norms per head (Qwen3, Gemma 3), RoPE on q and k."""
+        qkv = self.norm_linear(x, layer.input_norm, layer.w_qkv, layer.b_qkv)
+        qkv = qkv.reshape(x.shape[0], self.all_heads, self.head_dim)
+        if layer.q_norm is not None:
+            qkv[:, :self.heads] = rms_norm(qkv[:, :self.heads], layer.q_norm, self.eps)
+            qkv[:, self.heads:self.qk_heads] = rms_norm(qkv[:, self.heads:self.qk_heads], layer.k_norm, self.eps)
+        cos, sin = rope
+        qk = rotate_halves(qkv[:, :self.qk_heads], cos[:, None], sin[:, None])  # one rotation over heads
+        return self.split(qkv, qk)
+
+    def stepwise_output_mlp(self, x: np.ndarray, o: np.ndarray, layer: Any) -> None:
+        """Output product (+ bias; normed, Gemma), residual; RMSNorm, gated MLP (normed, Gemma), residual."""
+        out = self._linear(o, layer.w_o, layer.b_o)
+        if layer.attn_out_norm is not None:
+            out = rms_norm(out, layer.attn_out_norm, self.eps)
+        x += out
+        gate_up = self.norm_linear(x, layer.post_norm, layer.w_gate_up)
+        inter = gate_up.shape[-1] // 2
+        down = self._linear(self.activation(gate_up[..., :inter], gate_up[..., inter:]), layer.w_down)
+        if layer.mlp_out_norm is not None:
+            down = rms_norm(down, layer.mlp_out_norm, self.eps)
+        x += down
 
 
 class NumpyOps(_Shapes):
@@ -89,17 +118,10 @@ class NumpyOps(_Shapes):
         return self._linear(rms_norm(x, norm, self.eps), w, bias)
 
     def qkv_rope(self, x: np.ndarray, layer: Any, rope: Rope) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        qkv = self.norm_linear(x, layer.input_norm, layer.w_qkv, layer.b_qkv)
-        qkv = qkv.reshape(x.shape[0], self.all_heads, self.head_dim)
-        cos, sin = rope
-        qk = rotate_halves(qkv[:, :self.qk_heads], cos[:, None], sin[:, None])  # one rotation over heads
-        return self.split(qkv, qk)
+        return self.stepwise_qkv_rope(x, layer, rope)
 
     def output_mlp(self, x: np.ndarray, o: np.ndarray, layer: Any) -> None:
-        x += self._linear(o, layer.w_o, layer.b_o)
-        gate_up = self.norm_linear(x, layer.post_norm, layer.w_gate_up)
-        inter = gate_up.shape[-1] // 2
-        x += self._linear(swiglu(gate_up[..., :inter], gate_up[..., inter:]), layer.w_down)
+        self.stepwise_output_mlp(x, o, layer)
 
 
 class KernelLayer(NamedTuple):
@@ -130,11 +152,17 @@ class CompiledOps(_Shapes):
         # scalars typed once: a decode step makes two kernel calls per layer, each a few microseconds
         self._eps, self._zero, self._half = dtype.type(self.eps), dtype.type(0), self.head_dim // 2
 
-    def bind(self, layers: Sequence[Any]) -> list[KernelLayer]:
+    def bind(self, layers: Sequence[Any]) -> list[Any]:
+        """Kernel views of each plain layer; a layer with the families' extra steps (model/llama.Layer.plain)
+        stays a Layer and goes step by step: compiled products, NumPy norms and activation between them."""
         view, empty = self._gemv.as_kernel_array, self._empty
         return [KernelLayer(layer, view(layer.w_qkv), empty if layer.b_qkv is None else layer.b_qkv,
                             view(layer.w_o), empty if layer.b_o is None else layer.b_o,
-                            view(layer.w_gate_up), view(layer.w_down)) for layer in layers]
+                            view(layer.w_gate_up), view(layer.w_down))
+                if layer.plain and self.fusable_mlp else layer for layer in layers]
+
+    def _linear(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+        return self._gemv.linear(x, w, bias)
 
     def norm_linear(self, x: np.ndarray, norm: np.ndarray, w: np.ndarray,
                     bias: np.ndarray | None = None) -> np.ndarray:
@@ -142,6 +170,8 @@ class CompiledOps(_Shapes):
 
     def qkv_rope(self, x: np.ndarray, layer: KernelLayer,
                  rope: Rope) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if not isinstance(layer, KernelLayer):
+            return self.stepwise_qkv_rope(x, layer, rope)
         rows, cos, sin = x.shape[0], *rope
         if rows <= self.max_fused_rows:  # norm, product, bias and RoPE in one call
             qkv = np.empty((rows, self.all_heads, self.head_dim), dtype=x.dtype)
@@ -155,6 +185,9 @@ class CompiledOps(_Shapes):
         return self.split(qkv, rotate_halves(qkv[:, :self.qk_heads], cos[:, None], sin[:, None]))
 
     def output_mlp(self, x: np.ndarray, o: np.ndarray, layer: KernelLayer) -> None:
+        if not isinstance(layer, KernelLayer):
+            self.stepwise_output_mlp(x, o, layer)
+            return
         weights = layer.layer
         if x.shape[0] <= self.max_fused_rows:  # the rest of the block in one call
             self._fused.output_mlp(x, o, layer.o, layer.b_o, weights.post_norm, self._eps, layer.gate_up,
@@ -203,8 +236,8 @@ class QuantizedOps(CompiledOps):
         from kvlab.model.quantized import QuantizedMatrix
 
         def fusable(layer: Any) -> bool:
-            return all(isinstance(w, QuantizedMatrix) for w in (layer.w_qkv, layer.w_o, layer.w_gate_up,
-                                                                 layer.w_down))
+            return layer.plain and self.fusable_mlp and all(
+                isinstance(w, QuantizedMatrix) for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down))
 
         def args(w: Any) -> tuple:
             if self.activations == "q8":
@@ -235,21 +268,14 @@ class QuantizedOps(CompiledOps):
                                   cos.reshape(rows, 2, self._half), sin.reshape(rows, 2, self._half),
                                   self.qk_heads, qkv.reshape(rows, -1), self._zero)
             return qkv[:, :self.heads], qkv[:, self.heads:self.qk_heads], qkv[:, self.qk_heads:]
-        weights = getattr(layer, "layer", layer)
-        qkv = self.norm_linear(x, weights.input_norm, weights.w_qkv, weights.b_qkv)
-        qkv = qkv.reshape(rows, self.all_heads, self.head_dim)
-        return self.split(qkv, rotate_halves(qkv[:, :self.qk_heads], cos[:, None], sin[:, None]))
+        return self.stepwise_qkv_rope(x, getattr(layer, "layer", layer), rope)
 
     def output_mlp(self, x: np.ndarray, o: np.ndarray, layer: Any) -> None:
         if isinstance(layer, QuantizedLayer) and x.shape[0] <= self.max_fused_rows:
             self._qfused.output_mlp(x, np.ascontiguousarray(o), layer.o, layer.b_o, layer.layer.post_norm,
                                     self._eps, layer.gate_up, layer.down, self._zero)
             return
-        weights = getattr(layer, "layer", layer)
-        x += self._linear(o, weights.w_o, weights.b_o)
-        gate_up = self.norm_linear(x, weights.post_norm, weights.w_gate_up)
-        inter = gate_up.shape[-1] // 2
-        x += self._linear(swiglu(gate_up[..., :inter], gate_up[..., inter:]), weights.w_down)
+        self.stepwise_output_mlp(x, o, getattr(layer, "layer", layer))
 
 
 def make_ops(backend: str, config: ModelConfig, dtype: np.dtype, quantized: bool = False,

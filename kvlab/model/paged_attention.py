@@ -17,7 +17,8 @@ from kvlab.model.layers import attend, attention_mask
 
 def paged_attention(q: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray, block_tables: np.ndarray,
                     query_positions: np.ndarray, context_lens: np.ndarray, *, causal: bool = True,
-                    sliding_window: int | None = None, key_starts: np.ndarray | None = None) -> np.ndarray:
+                    sliding_window: int | None = None, key_starts: np.ndarray | None = None,
+                    scale: float | None = None, logit_cap: float | None = None) -> np.ndarray:
     """Attention of B sequences' new queries against their own cached K/V (new rows already written).
 
     q: [B, H_q, n, d] after RoPE; key_cache/value_cache: one layer of the pool; block_tables: [B, M] block
@@ -40,4 +41,4 @@ def paged_attention(q: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarra
         in_context = (key_positions[None, :] < context_lens[:, None])[:, None, :]  # [B, 1, T]
         in_context = in_context & (query_positions >= 0)[:, :, None]
         mask = in_context if mask is None else mask & in_context
-    return attend(q, keys, values, mask)
+    return attend(q, keys, values, mask, scale, logit_cap)

@@ -46,6 +46,11 @@ def expected_shapes(config: ModelConfig, with_biases: Mapping[str, bool] | None 
         if config.attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q_out,), p + "self_attn.k_proj.bias": (kv_out,),
                            p + "self_attn.v_proj.bias": (kv_out,)})
+        if config.qk_norm:  # Qwen3, Gemma 3: one RMSNorm weight per head dim, shared by the heads
+            shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+        if config.sandwich_norm:  # Gemma: post_attention_layernorm normalises the attention output
+            shapes.update({p + "pre_feedforward_layernorm.weight": (h,),
+                           p + "post_feedforward_layernorm.weight": (h,)})
     return shapes
 
 
