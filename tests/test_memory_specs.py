@@ -125,8 +125,9 @@ def test_mistral_window_is_on_every_layer_and_matches_kvlabs_own_config():
     specs = kv_specs(MISTRAL_7B_V01)
     assert set(specs) == {(SlidingWindowSpec(8, 128, 4096),)}
     assert specs == model_config_specs(ModelConfig.from_hf_dict(MISTRAL_7B_V01))
-    llama = published("llama-3.2-1b")
-    assert kv_specs(llama) == model_config_specs(ModelConfig.from_hf_dict(llama))
+    for name in ("llama-3.2-1b", "qwen3-0.6b", "gemma-3-1b"):  # what kvlab runs is sized by the same specs
+        assert kv_specs(published(name)) == model_config_specs(ModelConfig.from_hf_dict(published(name))), name
+    assert kv_specs(GEMMA2_2B) == model_config_specs(ModelConfig.from_hf_dict(GEMMA2_2B))
 
 
 def test_head_dim_from_hidden_size_and_mha_without_kv_heads():

@@ -26,6 +26,7 @@ from typing import Any, ClassVar, Union
 
 from kvlab import validate
 from kvlab.cache.dtypes import FLOAT_NAMES, PAYLOAD_BYTES, scale_bytes_per_row, size_name
+from kvlab.config import ModelConfig
 from kvlab.errors import ConfigError, InputError
 
 
@@ -305,10 +306,10 @@ class _Fields:
         return MambaSpec(((kernel - 1, conv_dim), (heads, head_dim, d_state)), mamba_type)
 
 
-def model_config_specs(config: Any) -> LayerSpecs:
-    """The specs of a model kvlab runs (a ModelConfig: every layer attends with the same shape, windowed
-    when `sliding_window` is set)."""
+def model_config_specs(config: ModelConfig) -> LayerSpecs:
+    """The specs of a model kvlab runs: every layer attends with the same K/V shape, over the window
+    `ModelConfig.layer_window` gives it (Mistral's model-wide window, Gemma's sliding layers) or all tokens."""
     full = FullAttentionSpec(config.num_key_value_heads, config.head_dim)
-    window = getattr(config, "sliding_window", None)
-    spec = full if window is None else SlidingWindowSpec(full.num_kv_heads, full.head_size, window)
-    return tuple((spec,) for _ in range(config.num_hidden_layers))
+    windows = [config.layer_window(layer) for layer in range(config.num_hidden_layers)]
+    return tuple((full if window is None else SlidingWindowSpec(full.num_kv_heads, full.head_size, window),)
+                 for window in windows)
