@@ -127,7 +127,7 @@ def sized_model(path: str | None) -> SizedModel:
     except ConfigError as exc:
         if "not supported" not in str(exc):
             raise
-        reason = str(exc).removeprefix(f"{file}: ")
+        reason = str(exc).removeprefix(f"{file}: ").split("; supported:")[0]
     layer_specs = kv_specs(raw, source=str(file))
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     archs = raw.get("architectures")
@@ -242,7 +242,7 @@ def _print(result: dict[str, Any], model: SizedModel, rows: list[GroupBytes], un
     specs = model.layer_specs
     if model.sizing_only is not None:
         con.print(f"[bold]sizing only[/]: kvlab does not run {model.architecture} ({model.sizing_only}); "
-                  "the cache is sized from config.json as vLLM's KV-cache specs size it")
+                  "sized from config.json as vLLM's KV-cache specs size it")
     if uniform is not None:
         layers = len(specs)
         con.print(f"[bold]{model.name}[/]: {layers} layers x {uniform.num_kv_heads} KV heads x head_dim "
