@@ -162,7 +162,7 @@ def kv_cache_groups(layer_specs: LayerSpecs) -> list[KVCacheGroup]:
 
 
 # Layer-type names in config.json `layer_types` lists and what they cache; "linear_attention" and "mamba"
-# are a state whose shape the model family decides (_state_spec).
+# are a state whose shape the model family decides (_Fields.state).
 LAYER_TYPES = ("full_attention", "attention", "sliding_attention", "linear_attention", "mamba", "hybrid")
 # model_type -> (default period of full layers, its config key): every Nth layer is global, the rest slide
 _SLIDING_PATTERNS = {"gemma3_text": (6, "sliding_window_pattern"), "gemma3": (6, "sliding_window_pattern"),
