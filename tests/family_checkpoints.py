@@ -27,13 +27,14 @@ FAMILIES = {
                             "short_factor": [1.0, 1.1, 1.3, 1.7, 2.0, 2.5],
                             "long_factor": [1.5, 2.0, 3.0, 4.0, 6.0, 8.0]}}),
     "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", {
-        "head_dim": 16, "query_pre_attn_scalar": 12, "sliding_window": 6, "layer_types":
+        "head_dim": 16, "query_pre_attn_scalar": 12, "sliding_window": 6, "tie_word_embeddings": False, "layer_types":
         ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0}}}),
     "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", {
         "head_dim": 16, "query_pre_attn_scalar": 12, "sliding_window": 6, "attn_logit_softcapping": 5.0,
-        "final_logit_softcapping": 4.0}),
+        "tie_word_embeddings": False,
+        "final_logit_softcapping": 30.0}),
 }
 
 

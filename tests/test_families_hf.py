@@ -110,3 +110,33 @@ def test_engine_batched_equals_alone_on_hybrid_models(tmp_path):
                     finals[out.request_id] = out
         for i in range(len(prompts)):
             assert list(finals[f"r{i}"].outputs[0].token_ids) == alone[i]
+
+
+TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "  Whether 'tis nobler?  "}]
+
+
+@pytest.mark.parametrize("name, variables", [("qwen3", {}), ("qwen3", {"enable_thinking": False}),
+                                             ("qwen3", {"enable_thinking": True}), ("gemma3", {})])
+def test_chat_templates_render_in_the_sandbox_as_transformers_renders_them(tmp_path, name, variables):
+    """Qwen3's template (`enable_thinking`) and Gemma's (the system turn folded into the first user turn),
+    written into tokenizer_config.json, render through kvlab's sandboxed jinja exactly as transformers'
+    apply_chat_template renders them."""
+    import json
+
+    folder = make_family_checkpoint(tmp_path / name, name)
+    template = (TEMPLATES / f"{name}.jinja").read_text()
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    _, tokenizer = kvlab.load(folder, backend="numpy")
+    got = tokenizer.chat_template.render(CHAT, add_generation_prompt=True, **variables)
+    want = transformers.AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        CHAT, tokenize=False, add_generation_prompt=True, **variables)
+    assert got == want
+    if name == "gemma3":
+        assert "<start_of_turn>user\nBe brief.\n\nHi there<end_of_turn>" in got and "system" not in got
+    elif variables.get("enable_thinking") is False:
+        assert got.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    else:
+        assert got.endswith("<|im_start|>assistant\n")

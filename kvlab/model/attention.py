@@ -111,7 +111,7 @@ class ContiguousAttention:
             k4, v4 = self.cache.append(layer, k4, v4, self.positions)
         q4 = self._heads_first(q)
         if plan.ranges is not None:
-            return self.merge(plan.prefill.prefill_attention(q4, k4, v4, *plan.ranges, scale=self.scale))
+            return self.merge(plan.prefill.prefill_attention(q4, k4, v4, *plan.ranges, self.scale))
         end = self.num_keys  # a mask the kernels cannot take: the NumPy reference on widened rows
         return self.attend(layer, q4, k4[:, :, :end].astype(self.dtype), v4[:, :, :end].astype(self.dtype))
 
