@@ -23,6 +23,7 @@ from kvlab.engine.kv_bounds import KVBounds
 from kvlab.engine.model_runner import ModelRunner
 from kvlab.engine.request import Request, RequestOutput, Sequence, Status
 from kvlab.engine.scheduler import Scheduler
+from kvlab.engine.speculative import SpeculativeConfig, Speculator, make_draft
 from kvlab.errors import ContextLengthError, InputError
 from kvlab.model.llama import LlamaModel
 from kvlab.prefix.block_hash import root_key
@@ -41,13 +42,16 @@ class Engine:
     """
 
     def __init__(self, model: LlamaModel, tokenizer: Any = None, *, kv_tiers: Seq[Any] | None = None,
-                 kv_events_config: Any = None, **settings: Any) -> None:
+                 kv_events_config: Any = None, speculative_config: Any = None, **settings: Any) -> None:
         """`settings`: EngineConfig.create's keywords (block_size, num_blocks, kv_cache_memory, max_num_seqs,
         max_num_batched_tokens, enable_prefix_caching, kv_cache_dtype, max_model_len, kv_policy: a cache
         policy such as 'sinks:4:60' or 'window:W' run inside the engine, so a sequence holds a bounded
         number of blocks and its prompt may outgrow max_model_len: kvlab/engine/kv_bounds.py). `kv_tiers`: shared
         K/V tier URLs behind the prefix cache, tried in order (redis://, valkey://, file:///dir);
-        `kv_events_config`: vLLM's KV events config (kvlab/tier, kvlab/events)."""
+        `kv_events_config`: vLLM's KV events config (kvlab/tier, kvlab/events); `speculative_config`: vLLM's
+        (a JSON string or dict: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
+        "prompt_lookup_min": m} or {"method": "draft_model", "model": PATH, ...}; kvlab/engine/speculative.py)."""
+        spec_config = SpeculativeConfig.parse(speculative_config)  # refused before anything is allocated
         self.config = config = EngineConfig.create(model, **settings)
         c = model.config
         self.model = model
@@ -70,6 +74,9 @@ class Engine:
         self.scheduler = Scheduler(self.block_pool, self.prefix_cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.counters, self.bounds)
         self.runner = ModelRunner(model, self.block_pool, self.prefix_cache, self.counters, self.bounds)
+        self.speculator = None if spec_config is None else Speculator(
+            spec_config, self.bounds, config.max_model_len,
+            make_draft(spec_config, model, tokenizer) if spec_config.method == "draft_model" else None)
         eos = getattr(tokenizer, "eos_token_ids", None) if tokenizer is not None else None
         self.eos_token_ids = frozenset(int(i) for i in (eos if eos else c.eos_token_ids))
         self._requests: dict[str, Request] = {}     # unfinished
@@ -180,6 +187,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one batched forward, sample; the outputs of requests that progressed."""
         progressed: dict[str, Request] = {}
+        if self.speculator is not None:
+            for seq in self.scheduler.running:
+                self.speculator.propose(seq)
         plan = self.scheduler.schedule()
         for seq in plan.too_long:
             self.scheduler.finish(seq, "length")
@@ -187,7 +197,18 @@ class Engine:
         if plan.scheduled:
             self.counters.num_steps += 1
             logits, sampled = self.runner.run(plan.scheduled)
-            self.scheduler.postprocess(sampled, logits)
+            plain, rows, row = [], [], 0
+            for seq in sampled:  # a speculating sequence has a row per guess after its own
+                num_rows = 1 + len(seq.draft)
+                if seq.draft:
+                    self.speculator.verify(seq, logits[row:row + num_rows], self.scheduler, self.runner,
+                                           self.counters)
+                else:
+                    plain.append(seq)
+                    rows.append(row)
+                row += num_rows
+            if plain:
+                self.scheduler.postprocess(plain, logits[rows])
             for seq in sampled:
                 progressed[seq.request.request_id] = seq.request
         # Held outputs first (aborts, and others' outputs kept by generate), unless superseded by a newer

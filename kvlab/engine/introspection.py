@@ -6,7 +6,7 @@ so the server may call them between steps from its loop thread.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvlab.engine.request import Sequence, Status
@@ -24,6 +24,12 @@ class StepCounters:
     num_computed_tokens: int = 0
     num_prefill_tokens: int = 0
     num_steps: int = 0
+    # speculative decoding (vLLM's spec_decode_* counters): verifications, guesses, guesses kept, and kept
+    # guesses by position (index i: how often the i+1-th guess survived)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
 def engine_stats(engine: "Engine") -> dict[str, Any]:

@@ -101,6 +101,14 @@ class KVBounds:
             return min(plain, self.pool.blocks_for(self.sliding_window - 1 + self.max_num_batched_tokens) + 1)
         return plain
 
+    def rows_before_eviction(self, seq: Sequence) -> int | None:
+        """New rows `seq` may write before its policy must evict (None: no policy, no limit)."""
+        if self.policy is None:
+            return None
+        view, computed = seq.kv_view, seq.num_computed_tokens
+        length = view.prefix + computed - view.window_start if view is not None and view.evicted else computed
+        return self.policy.budget - length
+
     def max_hit_blocks(self) -> int | None:
         """A policy request takes at most this many prefix-cache blocks: fewer rows than its budget, so its
         first chunk evicts nothing (the cached K/V are full attention's, as its own would be)."""

@@ -33,29 +33,35 @@ class ModelRunner:
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[BatchInput, list[Sequence]]:
         """The flat batch of one step, and the sequences whose last scheduled token ends their known tokens
-        (they get logits, in batch order)."""
+        (they get logits, in batch order: one row each, or 1 + len(draft) rows for a speculating sequence,
+        its last token's and each guess's)."""
         size = self.pool.block_size
         ids, positions, slots, logits_rows, sampled = [], [], [], [], []
         row = 0
         for seq, num_new in scheduled:
             start = seq.num_computed_tokens
-            ids.append(seq.token_ids[start:start + num_new])
+            ids.append(seq.token_ids[start:start + num_new - len(seq.draft)] + seq.draft)
             positions.append(np.arange(start, start + num_new))
             slots.append(slot_mapping(seq.block_table, start, num_new, size))
             row += num_new
-            if start + num_new == seq.num_tokens:
-                logits_rows.append(row - 1)
+            if start + num_new - len(seq.draft) == seq.num_tokens:
+                logits_rows.extend(range(row - 1 - len(seq.draft), row))
                 sampled.append(seq)
             self.counters.num_computed_tokens += num_new
             if not (num_new == 1 and seq.num_tokens > seq.request.num_prompt_tokens):
                 self.counters.num_prefill_tokens += num_new
+        # A speculating sequence's rows enter as one-token queries of their own (same blocks, each seeing the
+        # keys up to its position), so each row attends exactly as a decode step would: verification rows get
+        # a one-token step's logits, bit for bit where the products are row-independent (kernels/gemv.py)
+        entries = [(s, 1, s.num_computed_tokens + i + 1) if s.draft else (s, n, s.num_computed_tokens + n)
+                   for s, n in scheduled for i in (range(n) if s.draft else (0,))]
         batch = BatchInput(
             token_ids=np.concatenate([np.asarray(i, dtype=np.int64) for i in ids]),
-            positions=np.concatenate(positions), query_lens=[n for _, n in scheduled],
-            context_lens=[s.num_computed_tokens + n for s, n in scheduled],
-            block_tables=[_readable(s.block_table) for s, _ in scheduled], slot_mapping=np.concatenate(slots),
+            positions=np.concatenate(positions), query_lens=[n for _, n, _ in entries],
+            context_lens=[end for _, _, end in entries],
+            block_tables=[_readable(s.block_table) for s, _, _ in entries], slot_mapping=np.concatenate(slots),
             logits_indices=np.array(logits_rows, dtype=np.int64),
-            key_starts=[self.bounds.key_start(s) for s, _ in scheduled] if self.bounds.policy else None)
+            key_starts=[self.bounds.key_start(s) for s, _, _ in entries] if self.bounds.policy else None)
         return batch, sampled
 
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[np.ndarray, list[Sequence]]:
@@ -63,14 +69,29 @@ class ModelRunner:
         batch, sampled = self.prepare(scheduled)
         logits = self.model.forward_batch(batch, self.pool)
         for seq, num_new in scheduled:  # every layer has written: commit, then make full blocks findable
-            seq.num_computed_tokens += num_new
-            if not self.bounds.registers(seq):
-                continue
-            inserted = self.prefix_cache.insert(seq.block_table, seq.token_ids, seq.request.root_key,
-                                                seq.num_computed_tokens, seq.block_keys)
-            if inserted.keys:
-                seq.block_keys.extend(inserted.keys)
+            if not seq.draft:  # a speculating sequence commits what verification keeps (commit_accepted)
+                self.commit(seq, num_new)
         return logits, sampled
+
+    def commit(self, seq: Sequence, num_rows: int) -> None:
+        """`num_rows` more of `seq`'s tokens have K/V in the pool: count them, register its full blocks."""
+        seq.num_computed_tokens += num_rows
+        if not self.bounds.registers(seq):
+            return
+        inserted = self.prefix_cache.insert(seq.block_table, seq.token_ids, seq.request.root_key,
+                                            seq.num_computed_tokens, seq.block_keys)
+        if inserted.keys:
+            seq.block_keys.extend(inserted.keys)
+
+    def commit_accepted(self, seq: Sequence, num_rows: int) -> None:
+        """After verification: keep the last token's row and the accepted guesses' (`num_rows`), forget the
+        rejected guesses, and give back the table's blocks that held only rejected rows."""
+        seq.draft = []
+        self.commit(seq, num_rows)
+        keep = self.pool.blocks_for(seq.num_tokens)
+        if len(seq.block_table) > keep:
+            self.pool.release([b for b in seq.block_table[keep:] if b != NULL_BLOCK])
+            del seq.block_table[keep:]
 
 
 def _readable(table: list[int]) -> list[int]:

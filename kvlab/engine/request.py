@@ -63,6 +63,9 @@ class Sequence:
         self.text = ""
         self.text_end: int | None = None  # where a stop string cut the text
         self.kv_view: Any = None  # a cache policy's kept rows (kvlab/engine/kv_bounds.py PolicyView)
+        self.draft: list[int] = []  # this step's speculative guesses (kvlab/engine/speculative.py)
+        self.num_speculative_tokens = 0  # the adaptive guess count (0: this sequence does not speculate)
+        self.num_drafted = self.num_accepted = 0  # guesses made and kept over its life (explorer, stats)
 
     @property
     def num_tokens(self) -> int:

@@ -77,7 +77,9 @@ class Scheduler:
                 self.remove(seq)
                 out.too_long.append(seq)
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, self._chunk_cap())
+            unseen = seq.num_tokens - seq.num_computed_tokens
+            num_new = min(unseen + len(seq.draft), budget, self._chunk_cap())
+            seq.draft = seq.draft[:max(num_new - unseen, 0)]  # guesses ride along only where they fit
             self.bounds.evict(seq, num_new)
             while self._blocks_needed(seq, num_new) > self.pool.num_free_blocks:
                 victim = max(self.running, key=lambda s: (s.admitted_at, s.index))
@@ -197,6 +199,7 @@ class Scheduler:
         """Free `seq`'s blocks and queue it first for re-admission; it keeps its generated tokens."""
         self.remove(seq)
         seq.num_computed_tokens = 0
+        seq.draft = []
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -229,13 +232,20 @@ class Scheduler:
                 request.forked = True
         tokens = sample_rows([target.sampler for target in targets], logits[rows])
         for target, row, token in zip(targets, rows, tokens.tolist()):
-            target.token_ids.append(token)
-            self.counters.num_generation_tokens += 1
-            if target.logprobs is not None:
-                target.logprobs.append(top_logprobs(logits[row], token, target.request.params.logprobs))
-            self._check_stop(target, token)
+            reason = self.emit(target, token, logits[row])
+            if reason is not None:
+                self.finish(target, reason.finish_reason)
 
-    def _check_stop(self, seq: Sequence, token: int) -> None:
+    def emit(self, seq: Sequence, token: int, row: np.ndarray) -> StopReason | None:
+        """Append one sampled token (its logprobs from its logits `row`), detokenize it and say whether it
+        ends the sequence; the caller finishes it (speculation commits the accepted rows first)."""
+        seq.token_ids.append(token)
+        self.counters.num_generation_tokens += 1
+        if seq.logprobs is not None:
+            seq.logprobs.append(top_logprobs(row, token, seq.request.params.logprobs))
+        return self._stop_reason(seq, token)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> StopReason | None:
         params = seq.request.params
         num_new = len(seq.token_ids) - seq.request.num_prompt_tokens
         reason = stop_reason(token, num_new, seq.request.stop_ids, seq.request.max_tokens)
@@ -251,8 +261,7 @@ class Scheduler:
                 if found:
                     seq.text_end = min(found)
                     reason = StopReason.STOP_STRING
-        if reason is not None:
-            self.finish(seq, reason.finish_reason)
+        return reason
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End `seq` with finish reason "stop", "length" or "abort"; its blocks go back to the pool."""

@@ -1,0 +1,224 @@
+"""Speculative decoding (kvlab/engine/speculative.py): the text with speculation is the text without it, for
+greedy and seeded sampling, alone and batched, under policies and sliding windows, with quantized caches;
+rejected rows never become visible (pool balanced, nothing rejected in the prefix cache); bad configs name
+their field."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import kvlab
+from kvlab import Engine, SamplingParams, TinyLlama
+from kvlab.engine.speculative import SpeculativeConfig, accept, adapt, ngram_lookup
+from kvlab.errors import ConfigError
+from kvlab.hf import DEFAULT_MODEL_DIR
+
+MODEL = TinyLlama(seed=5)  # float64
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def repetitive(i: int, n: int) -> list[int]:
+    """Prompts that repeat themselves (so lookup finds guesses), different per i."""
+    motif = [(13 * i + 7 * t) % 250 + 3 for t in range(5 + i % 3)]
+    return (motif * (n // len(motif) + 1))[:n]
+
+
+def run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[list[int]]]:
+    outs = engine.generate(prompts, params)
+    pool = engine.block_pool
+    pool.check_invariants()
+    assert pool.num_used_blocks == 0
+    return [[c.token_ids for c in out.outputs] for out in outs]
+
+
+# --- the config, as vLLM spells it -------------------------------------------------------------------------
+@pytest.mark.parametrize("spec, field", [
+    ('{"method": "ngram"', "JSON"),
+    ('{"method": "eagle", "num_speculative_tokens": 3}', "method"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+    ('{"method": "ngram"}', "num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}',
+     "prompt_lookup_min"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "typo": 1}', "typo"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2, "model": "/no/such/model"}', "does not exist"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', "model"),
+    ('[1, 2]', "JSON object"),
+])
+def test_a_bad_speculative_config_is_refused_naming_the_field(spec, field):
+    with pytest.raises(ConfigError, match=field):
+        Engine(MODEL, speculative_config=spec)
+
+
+def test_the_config_reads_vllm_spelling():
+    config = SpeculativeConfig.parse(json.dumps(NGRAM))
+    assert (config.method, config.num_speculative_tokens, config.prompt_lookup_max,
+            config.prompt_lookup_min) == ("ngram", 4, 3, 1)
+    assert SpeculativeConfig.parse(None) is None
+
+
+# --- the pieces ---------------------------------------------------------------------------------------------
+def test_ngram_lookup_takes_the_most_recent_longest_match():
+    ids = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
+    assert ngram_lookup(ids, 3, 3, 1) == [7, 8, 5]  # "1 2 3" last seen before 7 8 5
+    assert ngram_lookup(ids, 1, 3, 1) == [7]
+    assert ngram_lookup([4, 5, 6], 3, 3, 1) == []     # nothing repeats
+    assert ngram_lookup([4, 5, 4], 2, 2, 1) == [5, 4]  # n=2 misses, n=1 finds "4"
+    assert ngram_lookup([4, 5, 4], 2, 2, 2) == []     # ... unless n=1 is below the minimum
+    assert ngram_lookup([7], 3, 3, 1) == []
+
+
+def test_accept_draws_once_per_emitted_token_and_stops_at_the_first_disagreement():
+    rows = np.eye(6)[[2, 3, 4, 5]]  # argmax per row: 2, 3, 4, 5
+    calls = []
+
+    def draw(row):
+        calls.append(1)
+        return int(np.argmax(row))
+
+    result = accept([2, 3, 9], rows, draw)
+    assert (result.tokens, result.num_accepted, len(calls)) == ([2, 3, 4], 2, 3)
+    calls.clear()
+    result = accept([2, 3, 4], rows, draw)  # all kept: the last row gives a bonus token
+    assert (result.tokens, result.num_accepted, len(calls)) == ([2, 3, 4, 5], 3, 4)
+
+
+def test_adapt_backs_off_when_nothing_is_kept_and_grows_back():
+    assert adapt(4, 4, 4, 0) == 2 and adapt(2, 4, 2, 0) == 1 and adapt(1, 4, 1, 0) == 1
+    assert adapt(2, 4, 2, 2) == 3 and adapt(4, 4, 4, 4) == 4
+    assert adapt(3, 4, 3, 1) == 3
+
+
+# --- the text is plain decoding's -------------------------------------------------------------------------
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(k=st.integers(1, 6), block_size=st.sampled_from([1, 2, 4, 16]), chunk=st.integers(4, 32),
+       lengths=st.lists(st.integers(2, 40), min_size=1, max_size=4), new=st.integers(1, 24),
+       sampled=st.booleans(), n=st.sampled_from([1, 1, 2]), prefix_caching=st.booleans(),
+       policy=st.sampled_from([None, "window:12", "sinks:2:10", "shift:1:14"]),
+       kv_dtype=st.sampled_from([None, "int8"]), tight=st.booleans())
+def test_speculation_emits_plain_decodings_tokens(k, block_size, chunk, lengths, new, sampled, n, prefix_caching,
+                                                  policy, kv_dtype, tight):
+    if policy is not None:
+        # a policy's keep depends on the chunk schedule, which company changes (speculation or not: a
+        # decode's guesses take budget a neighbour's prefill chunk would have had), so one request at a time
+        lengths = lengths[:1]
+    prompts = [repetitive(i, length) for i, length in enumerate(lengths)]
+    params = [SamplingParams(max_tokens=new, n=n, ignore_eos=True, **(dict(temperature=0.9, seed=11 + i)
+                                                                      if sampled else {}))
+              for i in range(len(prompts))]
+    settings_ = dict(block_size=block_size, max_num_batched_tokens=chunk, enable_prefix_caching=prefix_caching,
+                     kv_policy=policy, kv_cache_dtype=kv_dtype, max_num_seqs=4)
+    if tight:  # preemption and recompute mid-speculation
+        settings_["num_blocks"] = -(-(max(lengths) + new + k + 1) // block_size) + 1 + (policy is not None) * 2
+    try:
+        plain = Engine(MODEL, **settings_)
+    except ConfigError:
+        return
+    spec = Engine(MODEL, speculative_config={**NGRAM, "num_speculative_tokens": k}, **settings_)
+    assert run(spec, prompts, params) == run(plain, prompts, params)
+    assert spec.counters.num_computed_tokens >= plain.counters.num_computed_tokens - sum(lengths) * n
+
+
+def test_speculation_saves_steps_on_a_copy_and_counts_what_it_kept():
+    prompt = repetitive(0, 60)
+    plain, spec = Engine(MODEL), Engine(MODEL, speculative_config=NGRAM)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    assert run(spec, [prompt], [params]) == run(plain, [prompt], [params])
+    stats = spec.stats()
+    assert stats["spec_decode_num_drafts"] > 0
+    assert 0 < stats["spec_decode_num_accepted_tokens"] <= stats["spec_decode_num_draft_tokens"]
+    assert sum(stats["spec_decode_num_accepted_tokens_per_pos"]) == stats["spec_decode_num_accepted_tokens"]
+    assert spec.counters.num_steps < plain.counters.num_steps
+
+
+def test_rejected_rows_never_reach_the_prefix_cache():
+    """Every block the speculating engine registered holds the K/V full recompute gives for its tokens: a
+    request served from those blocks gets full recompute's logits."""
+    prompt = repetitive(1, 30)
+    engine = Engine(MODEL, block_size=4, speculative_config={**NGRAM, "num_speculative_tokens": 6})
+    first = engine.generate([prompt], SamplingParams(max_tokens=30, ignore_eos=True))[0]
+    tokens = prompt + first.outputs[0].token_ids
+    assert engine.stats()["spec_decode_num_draft_tokens"] > engine.stats()["spec_decode_num_accepted_tokens"]
+    again = engine.generate([tokens], SamplingParams(max_tokens=1, ignore_eos=True))[0]
+    assert again.num_cached_tokens >= len(tokens) - 4
+    expected = int(MODEL.forward([tokens]).logits[0, -1].argmax())
+    assert again.outputs[0].token_ids == [expected]
+
+
+def test_an_abort_mid_speculation_leaves_the_pool_balanced():
+    engine = Engine(MODEL, block_size=2, speculative_config=NGRAM)
+    engine.add_request("a", repetitive(2, 20), SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request("b", repetitive(3, 20), SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    engine.abort_request("a")
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.step()
+    engine.block_pool.check_invariants()
+    assert engine.block_pool.num_used_blocks == 0
+
+
+def test_a_stop_token_inside_the_accepted_guesses_ends_the_text_there():
+    prompt = repetitive(4, 30)
+    plain = Engine(MODEL).generate([prompt], SamplingParams(max_tokens=30, ignore_eos=True))[0].outputs[0]
+    stop = plain.token_ids[12]
+    params = SamplingParams(max_tokens=30, stop_token_ids=[stop], ignore_eos=True)
+    expected = Engine(MODEL).generate([prompt], params)[0].outputs[0]
+    spec = Engine(MODEL, speculative_config=NGRAM)
+    got = spec.generate([prompt], params)[0].outputs[0]
+    assert (got.token_ids, got.finish_reason) == (expected.token_ids, expected.finish_reason)
+    spec.block_pool.check_invariants()
+    assert spec.block_pool.num_used_blocks == 0
+
+
+# --- the compiled path: verified rows are one-token steps' rows --------------------------------------------
+@pytest.mark.parametrize("kv_dtype", [None, "float16", "int8"])
+def test_each_verified_row_has_the_logits_of_a_one_token_step(kv_dtype):
+    """On the shipped model (float32, compiled kernels), rows 1..k+1 of a verification forward equal, bit for
+    bit, the logits plain decoding computes one token at a time (within the kernels' fused-row limit)."""
+    model, tokenizer = kvlab.load()
+    prompt = tokenizer.encode("ROMEO: But soft, what light through yonder window breaks? ROMEO: But soft,")
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=3)
+    plain = Engine(model, tokenizer, kv_cache_dtype=kv_dtype).generate([prompt], greedy)[0].outputs[0]
+    spec_engine = Engine(model, tokenizer, kv_cache_dtype=kv_dtype,
+                         speculative_config={**NGRAM, "num_speculative_tokens": 5})
+    spec = spec_engine.generate([prompt], greedy)[0].outputs[0]
+    assert spec_engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert spec.token_ids == plain.token_ids
+    assert spec.logprobs == plain.logprobs  # every kept row's log-probabilities, bit for bit
+
+
+# --- the draft model ----------------------------------------------------------------------------------------
+def test_a_draft_model_with_the_targets_tokenizer_gives_the_same_text(tmp_path):
+    model, tokenizer = kvlab.load()
+    path = tmp_path / "draft"
+    shutil.copytree(DEFAULT_MODEL_DIR, path)  # the same weights: every guess is kept, a clean check
+    prompt = tokenizer.encode("JULIET: O Romeo, Romeo, wherefore art thou Romeo?")
+    params = [SamplingParams(max_tokens=24, ignore_eos=True), SamplingParams(max_tokens=24, temperature=0.8, seed=5)]
+    plain = [o.outputs[0].token_ids for o in Engine(model, tokenizer).generate([prompt, prompt], params)]
+    engine = Engine(model, tokenizer, speculative_config={"method": "draft_model", "model": str(path),
+                                                          "num_speculative_tokens": 3})
+    greedy = engine.generate([prompt], params[:1])[0].outputs[0].token_ids
+    stats = engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0  # same weights
+    got = [o.outputs[0].token_ids for o in engine.generate([prompt, prompt], params)]
+    assert [greedy] + got[1:] == got == plain  # the sampled one's guesses (greedy) are often rejected
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused_naming_it(tmp_path):
+    model, tokenizer = kvlab.load()
+    path = tmp_path / "draft"
+    shutil.copytree(DEFAULT_MODEL_DIR, path)
+    data = json.loads((path / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[100:102]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (path / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="another tokenizer"):
+        Engine(model, tokenizer, speculative_config={"method": "draft_model", "model": str(path),
+                                                     "num_speculative_tokens": 3})
