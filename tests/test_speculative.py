@@ -222,3 +222,28 @@ def test_a_draft_model_with_another_tokenizer_is_refused_naming_it(tmp_path):
     with pytest.raises(ConfigError, match="another tokenizer"):
         Engine(model, tokenizer, speculative_config={"method": "draft_model", "model": str(path),
                                                      "num_speculative_tokens": 3})
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_speculation_under_a_json_schema_gives_the_same_valid_answer(temperature):
+    """Guesses are checked against the grammar's mask: each kept token is drawn from the masked row, and the
+    matcher only ever consumes kept tokens; the answer is the one plain decoding gives."""
+    from kvlab.sampling.grammar import GrammarSpec, compile_grammar, grammar_vocab
+
+    model, tokenizer = kvlab.load()
+    vocab = grammar_vocab(tokenizer, model.config.vocab_size, tokenizer.eos_token_ids)
+    schema = {"type": "object", "additionalProperties": False, "required": ["speaker", "mood"],
+              "properties": {"speaker": {"enum": ["ROMEO", "JULIET", "MERCUTIO"]},
+                             "mood": {"enum": ["merry", "sad", "wroth"]}}}
+    grammar = compile_grammar(GrammarSpec.json_schema(schema), vocab)
+    prompt = tokenizer.encode('{"speaker":"ROMEO","mood":"sad"}\n{"speaker":"JULIET","mood":"merry"}\n'
+                              '{"speaker":"ROMEO","mood":"sad"}\n')
+    params = [SamplingParams(max_tokens=40, temperature=temperature, seed=i, grammar=grammar) for i in range(4)]
+    plain = [o.outputs[0] for o in Engine(model, tokenizer).generate([prompt] * 4, params)]
+    spec_engine = Engine(model, tokenizer, speculative_config={**NGRAM, "num_speculative_tokens": 5})
+    spec = [o.outputs[0] for o in spec_engine.generate([prompt] * 4, params)]
+    assert [(o.token_ids, o.finish_reason) for o in spec] == [(o.token_ids, o.finish_reason) for o in plain]
+    assert spec_engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    for out in spec:
+        if out.finish_reason == "stop":
+            assert set(json.loads(out.text)) == {"speaker", "mood"}

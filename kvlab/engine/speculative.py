@@ -164,9 +164,11 @@ class Speculator:
 
     def propose(self, seq: Any) -> None:
         """Set `seq.draft` for this step: [] unless it is decoding and a guess fits (its token limit, the
-        context, a cache policy's budget without eviction, no grammar mask to follow)."""
+        context, a cache policy's budget without eviction). A grammar needs nothing here: each kept token is
+        drawn through the sequence's sampler, which masks the row with the matcher's state after the tokens
+        before it (the accepted guesses) and advances it, so a rejected guess never reaches the matcher."""
         seq.draft = []
-        if seq.num_tokens - seq.num_computed_tokens != 1 or getattr(seq.request.params, "grammar", None):
+        if seq.num_tokens - seq.num_computed_tokens != 1:
             return
         if not seq.request.forked:  # the prompt's first token forks the other samples (postprocess)
             return
