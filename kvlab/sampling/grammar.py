@@ -361,8 +361,12 @@ def mask_logits(logits: np.ndarray, matchers: Sequence[GrammarMatcher | None]) -
             raise InputError(f"the grammar was compiled for a vocabulary of {m.vocab_size} tokens but the "
                              f"model's logits have {vocab}")
     bitmask = allocate_bitmask(len(matchers), vocab)
+    # Not overlapped with the forward (as vLLM overlaps xgrammar), measured (bench/bench_structured.py, SmolLM2-
+    # 135M Q4_1, a free-string schema): the fill, the only part that could run while the forward does, is
+    # ~0.015 ms a row, 0.15 % of a 9.4 ms batch-1 step; the rest is applying the mask, which needs the logits.
     _fill_masks(live, bitmask)
+    rows = [row for _, row in live]
+    allowed = np.unpackbits(bitmask[rows].view(np.uint8), axis=1, bitorder="little")[:, :vocab].view(bool)
     out = np.array(logits, copy=True)
-    for m, row in live:
-        out[row, ~allowed_tokens(bitmask[row], vocab)] = -np.inf
+    out[rows] = np.where(allowed, out[rows], np.asarray(-np.inf, dtype=out.dtype))  # a choice, no arithmetic
     return out
