@@ -9,8 +9,10 @@ from rich.table import Table
 
 from kvlab.cli.fmt import console
 from kvlab.cli.model_flags import add_activations_flag
+from kvlab.cli.sampling_flags import add_grammar_flags, compiled_grammar, grammar_spec
 from kvlab.errors import InputError
 from kvlab.model.llama import TinyLlama
+from kvlab.tokenizer import ByteTokenizer
 from kvlab import validate
 from kvlab.verify import default_tolerance, fixed_tolerance, verify_model
 
@@ -33,6 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="compiled kernels (numba, the default where available) or the NumPy reference")
     p.add_argument("--json", action="store_true", help="print results as JSON")
     add_activations_flag(p)
+    add_grammar_flags(p)  # with a grammar on: constrained greedy tokens and masked logits in every schedule
     p.set_defaults(run=run)
 
 
@@ -40,20 +43,29 @@ def run(args: argparse.Namespace) -> int:
     seed = validate.seed(args.seed, "--seed", allow_random=False)
     length = validate.int_in_range(args.length, "--length", 2, 1 << 20)
     tolerance = None if args.tolerance is None else fixed_tolerance(args.tolerance)
+    spec, tokenizer = grammar_spec(args), None  # a bad grammar or schema fails before the model loads
     if args.model is not None:
-        from kvlab.loader import load_model
+        from kvlab.loader import load, load_model
 
         if args.bidirectional:
             raise InputError("--bidirectional is the tiny model's negative control; drop --model")
-        model = load_model(None if args.model == "default" else args.model, dtype=args.dtype,
-                           backend=args.backend, activations=args.activations)
+        path = None if args.model == "default" else args.model
+        if spec is None:
+            model = load_model(path, dtype=args.dtype, backend=args.backend, activations=args.activations)
+        else:  # the grammar is compiled against the model's own vocabulary
+            model, tokenizer = load(path, dtype=args.dtype, backend=args.backend, activations=args.activations)
         label = f"{args.model} {args.dtype}"
     else:
         model = TinyLlama(seed=seed, dtype=args.dtype, causal=not args.bidirectional, backend=args.backend)
         label = f"TinyLlama(seed={seed}{', causal=False' if args.bidirectional else ''}) {args.dtype}"
+        tokenizer = ByteTokenizer() if spec is not None else None  # the seeds' model reads bytes
     label += f", {model.backend} backend"
+    grammar = None if spec is None else compiled_grammar(args, tokenizer, model.config.vocab_size,
+                                                         tokenizer.eos_token_ids)
+    if grammar is not None:
+        label += f", {spec.label} on"
     tolerance = tolerance or default_tolerance(model)
-    results = verify_model(model, tolerance=tolerance, length=length)
+    results = verify_model(model, tolerance=tolerance, length=length, grammar=grammar, tokenizer=tokenizer)
     passed = all(r.passed for r in results)
     if args.json:
         print(json.dumps({"model": label, "passed": passed, "tolerance_rule": tolerance.rule,

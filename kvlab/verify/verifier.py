@@ -15,6 +15,8 @@ import numpy as np
 
 from kvlab import validate
 from kvlab.verify.schedules import engine_schedules
+from kvlab.verify.structured import structured_schedules
+from kvlab.sampling.grammar import CompiledGrammar
 from kvlab.model.llama import LlamaModel
 
 
@@ -149,11 +151,13 @@ def schedules(model: LlamaModel, rng: np.random.Generator,
 
 
 def verify_model(model: LlamaModel, tolerance: float | Tolerance | None = None, seed: int = 0,
-                 length: int = 24) -> list[CheckResult]:
+                 length: int = 24, grammar: CompiledGrammar | None = None,
+                 tokenizer: object = None) -> list[CheckResult]:
     """Run every schedule on `model`; each result carries its measured max abs error and its tolerance.
 
     `tolerance`: None = `default_tolerance(model)` (scaled by dtype, depth and each check's logits), a
-    number = that fixed bound.
+    number = that fixed bound. `grammar` (compiled for `tokenizer`'s vocabulary) adds the schedules of
+    kvlab/verify/structured.py: constrained greedy tokens and masked logits against a plain recompute.
     """
     if tolerance is None:
         tolerance = default_tolerance(model)
@@ -162,7 +166,8 @@ def verify_model(model: LlamaModel, tolerance: float | Tolerance | None = None, 
     length = min(validate.int_in_range(length, "length", 2), model.config.max_position_embeddings)
     rng = np.random.default_rng(validate.seed(seed, allow_random=False))
     results = []
-    for name, description, run in schedules(model, rng, length):
+    extra = [] if grammar is None else structured_schedules(model, grammar, rng, length, tokenizer)
+    for name, description, run in [*schedules(model, rng, length), *extra]:
         error, scale = run()
         results.append(CheckResult(name, description, error, tolerance.at(scale), scale))
     return results
