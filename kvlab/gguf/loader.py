@@ -19,7 +19,7 @@ from kvlab.config import ModelConfig
 from kvlab.errors import CheckpointError, ConfigError
 from kvlab.gguf.config import config_from_metadata
 from kvlab.gguf.reader import GGUFFile, read_gguf
-from kvlab.gguf.tensors import read_weights, weight_plan
+from kvlab.gguf.tensors import read_weights, split_fused, weight_plan
 from kvlab.gguf.tokenizer import tokenizer_from_metadata
 from kvlab.progress import weight_progress
 from kvlab.model.llama import LlamaModel
@@ -69,8 +69,8 @@ def open_gguf(path: str | Path) -> tuple[GGUFFile, ModelConfig, HFTokenizer, dic
 
 def read_checkpoint(path: str | Path, dtype: Any = "float32", progress: bool | None = None,
                     keep_stored: bool = False) -> GGUFCheckpoint:
-    """Config, weights (HF names and layout; dequantized, or with `keep_stored` as the file stores the
-    matrices) and tokenizer of a GGUF file."""
+    """Config, weights (HF names and layout, as the family's checkpoints hold them: Phi-3's q/k/v and
+    gate/up fused; dequantized, or with `keep_stored` as the file stores the matrices) and tokenizer."""
     dtype = np.dtype(dtype)
     if dtype not in (np.float32, np.float64):
         raise ConfigError(f"compute dtype must be float32 or float64, got {dtype}")
@@ -97,6 +97,7 @@ def load_gguf(path: str | Path, dtype: Any = "float32", progress: bool | None = 
     if keep and np.dtype(dtype) != np.float32:
         raise ConfigError(f"weights kept as stored need float32 compute, not {np.dtype(dtype).name}")
     checkpoint = read_checkpoint(path, dtype, progress, keep_stored=keep)
-    model = LlamaModel(checkpoint.config, weights=checkpoint.weights, dtype=dtype, source=str(checkpoint.path),
+    model = LlamaModel(checkpoint.config, weights=split_fused(checkpoint.config, checkpoint.weights), dtype=dtype,
+                       source=str(checkpoint.path),
                        backend=backend, weights_dtype="auto" if keep else None)
     return model, checkpoint.tokenizer

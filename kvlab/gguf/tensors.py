@@ -9,7 +9,16 @@ report, same bits).
 Why unpermute: llama.cpp's converter reorders the rows of every Llama q_proj and k_proj head from HF's
 "rotate halves" RoPE layout to ggml's interleaved pairs (`reshape(heads, 2, d/2, in).swapaxes(1, 2)`).
 kvlab computes RoPE the HF way, so each head's rows go back: `reshape(heads, d/2, 2, in).swapaxes(1, 2)`.
-Qwen2 files are written without the permutation (ggml runs Qwen2 in NeoX mode), so they are used as is.
+Qwen2 files are written without the permutation (ggml runs Qwen2 in NeoX mode), so they are used as is;
+so are Qwen3, Phi-3 and Gemma's. SmolLM3 is converted as a Llama (permuted).
+
+The families' own conventions (llama.cpp's converter, `convert_hf_to_gguf.py`): Qwen3 and Gemma 3 add
+`attn_q_norm`/`attn_k_norm`; Gemma names its four norms `attn_norm`, `post_attention_norm`, `ffn_norm`
+(before the MLP) and `post_ffw_norm`, and stores every norm weight with Gemma's +1 already added (here it
+is taken off again: the weights come out in HF's form, `(1 + w)` stays the config's hook); Phi-3 keeps
+its fused `attn_qkv` and a doubled-height `ffn_up` (gate rows, then up), read under HF's own fused names
+(`qkv_proj`, `gate_up_proj`) and split for the model by `split_fused`; its LongRoPE factors are the
+tensors `rope_factors_long`/`rope_factors_short`, read into the config (kvlab/gguf/config.py).
 """
 
 from __future__ import annotations
@@ -34,29 +43,75 @@ LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layer
                "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                "ffn_down": "mlp.down_proj"}
+QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+GEMMA_NORM_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                    "post_ffw_norm": "post_feedforward_layernorm"}
+# general.architecture -> its layer tensors (GGUF part -> HF module), as llama.cpp's converter names them
+ARCH_LAYER_NAMES = {
+    "llama": LAYER_NAMES, "mistral": LAYER_NAMES, "qwen2": LAYER_NAMES, "smollm3": LAYER_NAMES,
+    "qwen3": {**LAYER_NAMES, **QK_NORM_NAMES},
+    "gemma2": {**LAYER_NAMES, **GEMMA_NORM_NAMES},
+    "gemma3": {**LAYER_NAMES, **GEMMA_NORM_NAMES, **QK_NORM_NAMES},
+    "phi3": {**{k: v for k, v in LAYER_NAMES.items() if k not in ("ffn_gate", "ffn_up")},
+             "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 CHUNK_VALUES = 1 << 16  # values decoded at once: the block decoders' temporaries stay cache-sized
-PERMUTED_ARCHITECTURES = ("llama", "mistral")
+PERMUTED_ARCHITECTURES = ("llama", "mistral", "smollm3")
+NORM_SHIFTED_ARCHITECTURES = ("gemma2", "gemma3")  # norm weights stored as Gemma's (1 + w)
+NORM_SHIFT = 1.0
+# tensors read into the config rather than the weights: Llama 3's RoPE factors, Phi-3's LongRoPE factors
+CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
-def hf_name(name: str) -> str | None:
-    """The HF state-dict name of a GGUF tensor, or None for tensors kvlab does not use."""
+def hf_name(name: str, arch: str = "llama") -> str | None:
+    """The HF state-dict name of a GGUF tensor of a `arch` file, or None for tensors kvlab does not use."""
     if name in GLOBAL_NAMES:
         return GLOBAL_NAMES[name]
+    parts = ARCH_LAYER_NAMES.get(arch, LAYER_NAMES)
     match = LAYER_TENSOR.fullmatch(name)
-    if match and match.group(2) in LAYER_NAMES:
+    if match and match.group(2) in parts:
         layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{LAYER_NAMES[part]}.{kind}"
+        return f"model.layers.{layer}.{parts[part]}.{kind}"
     return None
+
+
+def fused_parts(config: ModelConfig) -> list[tuple[str, list[tuple[str, int]]]]:
+    """(fused HF name suffix, [(part suffix, rows)]) of the matrices Phi-3 stores fused: q, k, v rows in
+    `qkv_proj`; gate, then up rows in `gate_up_proj` (llama.cpp's `attn_qkv` and double `ffn_up` alike).
+    The GGUF side of kvlab/hf/fused.py: the two formats do not import each other."""
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    inter = config.intermediate_size
+    return [("self_attn.qkv_proj.weight", [("self_attn.q_proj.weight", q), ("self_attn.k_proj.weight", kv),
+                                           ("self_attn.v_proj.weight", kv)]),
+            ("mlp.gate_up_proj.weight", [("mlp.gate_proj.weight", inter), ("mlp.up_proj.weight", inter)])]
+
+
+def split_fused(config: ModelConfig, weights: dict[str, Any]) -> dict[str, Any]:
+    """`weights` with every fused matrix split into the model's names (views of its rows; whole rows of a
+    QuantizedMatrix, whose blocks never cross rows); other tensors as they are."""
+    out = dict(weights)
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for fused, parts in fused_parts(config):
+            if p + fused not in out:
+                continue
+            matrix, row = out.pop(p + fused), 0
+            for part, rows in parts:
+                piece = slice(row, row + rows)
+                out[p + part] = matrix.take_rows(piece) if isinstance(matrix, QuantizedMatrix) else matrix[piece]
+                row += rows
+    return out
 
 
 def weight_plan(gguf: GGUFFile, config: ModelConfig) -> dict[str, TensorInfo]:
     """HF name -> tensor, after checking names, types and shapes against the config (nothing read yet)."""
     plan: dict[str, TensorInfo] = {}
+    arch = gguf.get("general.architecture")
     for name, info in gguf.tensors.items():
-        target = hf_name(name)
+        target = hf_name(name, arch)
         if target is None:
-            if name == "rope_freqs.weight":  # Llama 3 RoPE factors: read into the config's rope_scaling
+            if name in CONFIG_TENSORS:  # RoPE factors: read into the config's rope_scaling
                 continue
             raise CheckpointError(f"{gguf.path}: unexpected tensor {name!r} for a {config.architecture} model")
         if info.type_name not in SUPPORTED_TYPES:
@@ -66,7 +121,14 @@ def weight_plan(gguf: GGUFFile, config: ModelConfig) -> dict[str, TensorInfo]:
     # ModelConfig's own check, on zero-cost stand-ins with the tensors' shapes: names and shapes are
     # validated exactly as for an HF folder, before a single block is dequantized.
     stand_ins = {name: np.broadcast_to(np.float32(0), info.shape) for name, info in plan.items()}
-    check_weights(config, stand_ins, source=f"{gguf.path} (tensor names in HF form)")
+    for i in range(config.num_hidden_layers):  # a fused matrix must hold exactly its parts' rows
+        for fused, parts in fused_parts(config):
+            info = plan.get(f"model.layers.{i}.{fused}")
+            want = (sum(rows for _, rows in parts), config.hidden_size)
+            if info is not None and info.shape != want:
+                raise CheckpointError(f"{gguf.path}: tensor {info.name!r} has shape {info.shape} but the "
+                                      f"metadata implies {want}")
+    check_weights(config, split_fused(config, stand_ins), source=f"{gguf.path} (tensor names in HF form)")
     return plan
 
 
@@ -113,12 +175,15 @@ def read_weights(gguf: GGUFFile, config: ModelConfig, plan: dict[str, TensorInfo
                  on_tensor: Callable[[int], None] | None = None,
                  keep_stored: bool = False) -> dict[str, np.ndarray | QuantizedMatrix]:
     """Every planned tensor dequantized into `dtype` (or, with `keep_stored`, matrices as the file stores
-    them: see `as_stored`), with Llama's Q/K rows back in HF order."""
+    them: see `as_stored`), with Llama's Q/K rows back in HF order and Gemma's norms without their +1."""
     dtype = np.dtype(dtype)
     permuted = gguf.get("general.architecture") in PERMUTED_ARCHITECTURES
+    shifted = gguf.get("general.architecture") in NORM_SHIFTED_ARCHITECTURES
     weights: dict[str, np.ndarray | QuantizedMatrix] = {}
     for name, info in plan.items():
         array = as_stored(gguf, info, dtype) if keep_stored else dequantize(gguf, info, dtype)
+        if shifted and name.endswith("norm.weight"):  # Gemma's stored (1 + w) back to w (exact in float64)
+            array = (np.asarray(array, dtype=np.float64) - NORM_SHIFT).astype(dtype)
         heads = config.num_attention_heads if ".self_attn.q_proj." in name else \
             config.num_key_value_heads if ".self_attn.k_proj." in name else None
         if permuted and heads is not None:
