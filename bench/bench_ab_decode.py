@@ -30,6 +30,7 @@ import numpy as np
 from kvlab.config import ModelConfig
 from kvlab.model.llama import LlamaModel
 from kvlab.model.weights import random_weights
+from kvlab.progress import compiling_kernels
 
 config = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
@@ -51,7 +52,8 @@ for line in sys.stdin:
             extra = {"activations": activations} if activations else {}
             models[name] = LlamaModel(config, quantize_weights(weights, kind), dtype=np.float32, backend=backend,
                                       **extra)
-        models[name].warm_up()
+        with compiling_kernels():  # first run only: said, and never inside a timed step
+            models[name].warm_up()
     model, batch = models[name], int(batch)
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (batch, context + steps))
     cache = model.new_cache(batch, kv_dtype=cache_dtype[0] if cache_dtype else None, capacity=context + steps + 1)

@@ -38,6 +38,7 @@ from kvlab import LlamaModel  # noqa: E402
 from kvlab.config import ModelConfig  # noqa: E402
 from kvlab.model.quantized import QuantizedMatrix, RowStack, dequantized, quantize_weights  # noqa: E402
 from kvlab.model.weights import random_weights  # noqa: E402
+from kvlab.progress import compiling_kernels  # noqa: E402
 from roofline import measure_bandwidth  # noqa: E402 (bench/roofline.py)
 
 from shapes import SMOLLM2_135M, models_in_formats  # noqa: E402 (bench/shapes.py)
@@ -90,7 +91,10 @@ def main() -> None:
     prompt = np.random.default_rng(0).integers(0, config.vocab_size, size=(1, args.context))
     check = prompt[:, :16]
     errors = {}
-    for name, model in models.items():  # warm up (compile) and check against the same values in float32
+    with compiling_kernels():  # first run only: said, and never inside a timed step
+        for model in models.values():
+            model.warm_up()
+    for name, model in models.items():  # warm up and check against the same values in float32
         values = LlamaModel(config, dequantized(quantize_weights(weights, name.partition("+")[0])),
                             dtype=np.float32) if name not in ("float32", "bfloat16") else None
         got = model.forward(check).logits

@@ -22,6 +22,7 @@ from kvlab.cli.sampling_flags import (add_grammar_flags, add_sampling_flags, com
 from kvlab.sampling.defaults import ResolvedSampling
 from kvlab.errors import InputError, KVLabError
 from kvlab.model.llama import LlamaModel, TinyLlama
+from kvlab.progress import KernelCompiles, compiling_kernels
 from kvlab.sessions.conversation import Conversation
 from kvlab.sessions.session import Session
 from kvlab.tokenizer import ByteTokenizer
@@ -290,10 +291,15 @@ class Chat:
 
     def reply(self) -> bool:
         """Answer the conversation; False (and the message dropped) when it does not fit the context."""
+        with KernelCompiles() as compiles:  # what the warm-up did not compile (a longer context's): not timed
+            return self._reply(compiles)
+
+    def _reply(self, compiles: KernelCompiles) -> bool:
         ids = self._fit()
         if ids is None:
             return False
         a = self.args
+        fed = time.perf_counter()
         turn = self.session.feed(ids)
         room = self.model.config.max_position_embeddings - len(ids)
         stream = self.session.stream(min(a.max_tokens, room), **self.sampling.values, stop_token_ids=self.stop,
@@ -309,15 +315,17 @@ class Chat:
                 self.out.flush()
         except KeyboardInterrupt:  # stop the reply, keep what was said (the session stays consistent)
             self.note("\n(interrupted)")
-        seconds = time.perf_counter() - start
+        end = time.perf_counter()
+        seconds = end - start - compiles.seconds_between(start, end)
+        prefill = turn.seconds - compiles.seconds_between(fed, start)
         self.out.write(decoder.flush() + "\n")
         self.out.flush()
         self.conversation.add("assistant", self.tokenizer.decode(new), new)
         report = self.session.memory_report()
         speed = f"{len(new) / seconds:.1f} tok/s" if seconds > 0 and new else "-"
         self.note(f"[reused {turn.reused} · computed {turn.computed} · cache {report.num_tokens} tok "
-                  f"{human_bytes(report.payload_bytes)} · prefill {turn.seconds * 1e3:.1f} ms · "
-                  f"decode {speed}]")
+                  f"{human_bytes(report.payload_bytes)} · prefill {prefill * 1e3:.1f} ms · decode {speed}"
+                  + (f" · kernels compiled {compiles.seconds:.1f} s, not counted" if compiles.count else "") + "]")
         return True
 
 
@@ -329,6 +337,8 @@ def run(args: argparse.Namespace) -> int:
     seed_drawn = draw_seed(args)  # -1: a seed drawn now and said, so reply i's seed + i can be repeated
     sampling_settings(args, None, model_known=False)  # a bad flag fails before chatting
     model, tokenizer, name = load_model(args)
+    with compiling_kernels():  # first run only: said on stderr, and kept out of the first reply's figures
+        model.warm_up(args.kv_dtype)
     sampling = sampling_settings(args, args.model, model_known=not isinstance(model, TinyLlama))
     chat = Chat(model, tokenizer, args, sampling=sampling)
     if sys.stdin.isatty():

@@ -23,7 +23,7 @@ from kvlab.cli.sampling_flags import (add_grammar_flags, add_sampling_flags, com
                                       sampling_settings)
 from kvlab.generation.generate import stream_generate
 from kvlab.errors import ContextLengthError, InputError
-from kvlab.kernels import CompileCounter
+from kvlab.progress import KernelCompiles, compiling_kernels
 from kvlab.model.llama import LlamaModel
 from kvlab.sessions.prompt_cache import generate_with_prompt_cache
 
@@ -81,7 +81,7 @@ class GenerationStats:
     cache_bytes: int
     cache_dtype: str
     stop_reason: str
-    compile_seconds: float = 0.0  # the warm-up before the timed prefill, when numba compiled in it (0: it did not)
+    compile_seconds: float = 0.0  # numba compiling kernels (warm-up and run), kept out of the figures above
 
     def line(self) -> str:
         reused = self.prompt_tokens - self.computed_prompt_tokens
@@ -143,15 +143,20 @@ class TextStream:
             self._ends_with_newline = text.endswith("\n")
 
     def stats(self, prompt_tokens: int, computed_prompt_tokens: int, cache: KVCache,
-              stop_reason: str) -> GenerationStats:
+              stop_reason: str, compiles: KernelCompiles | None = None) -> GenerationStats:
+        """`compiles`: numba's compiles during the run, whose time is taken out of prefill and decode."""
         report = cache.memory_report()
+        compiles = compiles or KernelCompiles()
+        prefill = (self.first_token_at - self.started) if self.tokens else 0.0
+        decode = self.last_token_at - self.first_token_at
         return GenerationStats(
             prompt_tokens=prompt_tokens, computed_prompt_tokens=computed_prompt_tokens,
-            prefill_seconds=(self.first_token_at - self.started) if self.tokens else 0.0,
-            new_tokens=len(self.tokens), decode_seconds=self.last_token_at - self.first_token_at,
+            prefill_seconds=prefill - compiles.seconds_between(self.started, self.first_token_at),
+            new_tokens=len(self.tokens),
+            decode_seconds=decode - compiles.seconds_between(self.first_token_at, self.last_token_at),
             cache_tokens=cache.get_seq_length(), cache_bytes=report.payload_bytes + report.scale_bytes,
             cache_dtype=report.dtype,
-            stop_reason=stop_reason)
+            stop_reason=stop_reason, compile_seconds=compiles.seconds)
 
 
 def check_prompt(prompt: Sequence[int], context: int, policy: Any = None) -> None:
@@ -261,9 +266,8 @@ def run(args: argparse.Namespace) -> int:
     context = model.config.max_position_embeddings
     capacity = min(context, len(prompt) + (max_tokens or context), policy.budget if policy else context)
     cache = model.new_cache(1, kv_dtype=args.kv_dtype, capacity=capacity)
-    with CompileCounter() as compiled:  # a first run compiles; a warm one loads numba's disk cache
-        warm_up_seconds = model.warm_up(args.kv_dtype)  # so the prefill figure is the prefill's own
-    compile_seconds = warm_up_seconds if compiled.count else 0.0
+    with compiling_kernels() as warm_up:  # a first run compiles, and says so; a warm one loads numba's disk cache
+        model.warm_up(args.kv_dtype)  # so the prefill figure is the prefill's own
     check_prompt(prompt, context, policy)  # before the prompt is echoed
     hint = chat_template_hint(tokenizer, args.chat)
     if hint:
@@ -278,6 +282,7 @@ def run(args: argparse.Namespace) -> int:
     stream.start()
     sampling = dict(**resolved.values, seed=args.seed,
                     grammar=compiled_grammar(args, tokenizer, model.config.vocab_size, stop))
+    compiles = KernelCompiles().start()  # a compile the warm-up did not cover: kept out of the figures
     try:
         if args.prompt_cache and policy is not None:
             raise InputError("--prompt-cache cannot be combined with --context-shift or --cache-policy: a "
@@ -293,9 +298,11 @@ def run(args: argparse.Namespace) -> int:
                 policy=policy, **sampling)
     except KeyboardInterrupt:
         computed, reason = len(prompt), "interrupted"
+    finally:
+        compiles.stop()
     stream.finish()
-    stats = stream.stats(len(prompt), computed, cache, reason)
-    stats.compile_seconds = compile_seconds
+    stats = stream.stats(len(prompt), computed, cache, reason, compiles)
+    stats.compile_seconds += warm_up.seconds
     print(stats.line() + f" | sampling: {resolved.summary()}"
           + (f" | {drawn_seed_note(args.seed)}" if seed_drawn else ""), file=sys.stderr, flush=True)
     return 130 if reason == "interrupted" else 0

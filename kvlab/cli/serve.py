@@ -15,6 +15,7 @@ from pathlib import Path
 
 from kvlab.cache.kv_cache import KV_CACHE_DTYPES
 from kvlab.cli.model_flags import add_activations_flag
+from kvlab.progress import compiling_kernels
 from kvlab.serve.limits import DEFAULT_MAX_REQUEST_BYTES
 
 
@@ -122,6 +123,27 @@ def build_engine(args: argparse.Namespace):
     return engine, tokenizer, name, str(folder)
 
 
+def warm_up_engine(engine) -> None:
+    """Run throwaway requests through a scratch engine on the same model, cache dtype and block size (a short
+    one, then one past PARALLEL_MIN_ROWS key rows), so numba compiles, or loads from its disk cache, every
+    prefill and decode kernel a request will call now rather than inside the first request's latency. The
+    served engine's pool, prefix cache and metrics are untouched."""
+    from kvlab.engine.engine import Engine
+    from kvlab.kernels.attention import PARALLEL_MIN_ROWS
+    from kvlab.sampling.sampler import SamplingParams
+
+    if not engine.model.ops.compiled:
+        return
+    size = engine.config.block_size
+    longest = max(2, min(PARALLEL_MIN_ROWS + size, engine.max_model_len - 2))
+    scratch = Engine(engine.model, None, block_size=size, num_blocks=-(-(longest + 2) // size) + 1,
+                     max_num_seqs=1, max_num_batched_tokens=engine.config.max_num_batched_tokens,
+                     enable_prefix_caching=False, kv_cache_dtype=engine.kv_cache_dtype,
+                     max_model_len=engine.max_model_len)
+    for length in (2, longest):
+        scratch.generate([[0] * length], SamplingParams(max_tokens=2, ignore_eos=True))
+
+
 def install_chat_template(tokenizer, path: Path) -> None:
     """Use the Jinja template in `path` for chat (the special-token strings come from the tokenizer)."""
     from kvlab.errors import CheckpointError
@@ -149,6 +171,8 @@ def run(args: argparse.Namespace) -> int:
                           "pip install 'kvlab[serve]'") from None
 
     engine, tokenizer, name, root = build_engine(args)
+    with compiling_kernels(prefix="kvlab serve: "):  # first run only: said here, not paid by the first request
+        warm_up_engine(engine)
     names = args.served_model_name or [name]
     app = create_app(engine, tokenizer, model_names=names, model_root=root, api_key=args.api_key or None,
                      max_waiting=args.max_waiting, max_request_bytes=args.max_request_bytes,
