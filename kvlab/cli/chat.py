@@ -15,6 +15,7 @@ import time
 from typing import Any, Iterator, TextIO
 
 from kvlab.cli.checks import check_sampling_flags, draw_seed, drawn_seed_note
+from kvlab.cli.engine_stream import add_speculative_flag, engine_chat, speculative_config
 from kvlab.cli.fmt import human_bytes
 from kvlab.cli.model_flags import add_activations_flag
 from kvlab.cli.sampling_flags import (add_grammar_flags, add_sampling_flags, compiled_grammar, grammar_spec,
@@ -57,6 +58,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--history", metavar="FILE", default=None, help="keep readline history in FILE (TTY)")
     add_activations_flag(p)
     add_grammar_flags(p)
+    add_speculative_flag(p)
     p.set_defaults(run=run)
 
 
@@ -334,13 +336,15 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--max-tokens must be >= 1")
     check_sampling_flags(args)  # fail before chatting
     grammar_spec(args)  # a bad grammar or schema too
+    spec = speculative_config(args)  # and a bad --speculative-config
     seed_drawn = draw_seed(args)  # -1: a seed drawn now and said, so reply i's seed + i can be repeated
     sampling_settings(args, None, model_known=False)  # a bad flag fails before chatting
     model, tokenizer, name = load_model(args)
     with compiling_kernels():  # first run only: said on stderr, and kept out of the first reply's figures
         model.warm_up(args.kv_dtype)
     sampling = sampling_settings(args, args.model, model_known=not isinstance(model, TinyLlama))
-    chat = Chat(model, tokenizer, args, sampling=sampling)
+    chat = Chat(model, tokenizer, args, sampling=sampling) if spec is None else \
+        engine_chat(model, tokenizer, args, spec, sampling)  # speculation runs in the engine (same replies)
     if sys.stdin.isatty():
         chat.note(f"kvlab chat · {name} · context {model.config.max_position_embeddings} tokens · "
                   f"sampling: {sampling.summary()} · /help for commands, Ctrl-D to leave")

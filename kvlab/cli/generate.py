@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence, TextIO
 from kvlab.cache.dtypes import KV_CACHE_DTYPES
 from kvlab.cache.kv_cache import KVCache
 from kvlab.cli.checks import check_sampling_flags, draw_seed, drawn_seed_note
+from kvlab.cli.engine_stream import add_speculative_flag, generate_with_engine, speculative_config
 from kvlab.cli.fmt import human_bytes, read_stdin
 from kvlab.cli.model_flags import add_activations_flag
 from kvlab.cli.sampling_flags import (add_grammar_flags, add_sampling_flags, compiled_grammar, grammar_spec,
@@ -64,6 +65,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "prompt and the new tokens back to it (llama.cpp's --prompt-cache)")
     add_activations_flag(p)
     add_grammar_flags(p)
+    add_speculative_flag(p)
     p.set_defaults(run=run)
 
 
@@ -256,10 +258,13 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--max-tokens must be >= 1, or -1 for no limit (got {args.max_tokens})")
     check_sampling_flags(args)  # fail before loading
     grammar_spec(args)  # a bad grammar or schema fails before loading too
+    spec = speculative_config(args)  # and a bad --speculative-config
     seed_drawn = draw_seed(args)
     resolved = sampling_settings(args, args.model)
     model, tokenizer = load(args.model, dtype=args.dtype, activations=args.activations)
     prompt = encode_prompt(tokenizer, text, args.chat)
+    if spec is not None:  # speculation lives in the engine: the command runs through it (same text)
+        return generate_with_engine(args, model, tokenizer, text, prompt, spec, resolved, seed_drawn)
     policy = cache_policy(args, model, prompt, tokenizer)
     stop = [] if args.ignore_eos else stop_token_ids(model, tokenizer)
     max_tokens = None if args.max_tokens == -1 else args.max_tokens

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from kvlab.cache.kv_cache import KV_CACHE_DTYPES
+from kvlab.cli.engine_stream import add_speculative_flag, speculative_config
 from kvlab.cli.model_flags import add_activations_flag
 from kvlab.progress import compiling_kernels
 from kvlab.serve.limits import DEFAULT_MAX_REQUEST_BYTES
@@ -73,6 +74,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                              "blocks: window:W (the last W tokens), sinks:S:W (the first S plus the last W), "
                              "shift:KEEP[:BUDGET]; same outputs as kvlab generate --cache-policy (default: "
                              "exact, every block kept)")
+    add_speculative_flag(engine)
     engine.add_argument("--max-waiting", type=int, default=256,
                         help="most requests waiting for admission; more get 429 (default 256)")
     # kvlab tier/events flags (issue 23)
@@ -106,6 +108,7 @@ def build_engine(args: argparse.Namespace):
         raise ConfigError(f"--max-waiting must be >= 1, got {args.max_waiting}")
     if args.max_request_bytes < 1:
         raise ConfigError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    spec = speculative_config(args)  # a bad config names its field before anything loads
     gguf = gguf_file(args.model)
     folder = gguf if gguf is not None else resolve_model_dir(args.model)
     model, tokenizer = load(folder, dtype=args.dtype, activations=args.activations)
@@ -118,7 +121,7 @@ def build_engine(args: argparse.Namespace):
                     enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=kv_dtype,
                     max_model_len=args.max_model_len, kv_tiers=getattr(args, "kv_tier", None),
                     kv_events_config=getattr(args, "kv_events_config", None),
-                    kv_policy=getattr(args, "kv_policy", None))
+                    kv_policy=getattr(args, "kv_policy", None), speculative_config=spec)
     name = gguf.stem if gguf is not None else args.model if args.model is not None else folder.name
     return engine, tokenizer, name, str(folder)
 
@@ -192,6 +195,8 @@ def run(args: argparse.Namespace) -> int:
           f"{pool.num_blocks} blocks x {args.block_size} tokens | max_model_len {engine.max_model_len} | "
           f"prefix caching {'on' if args.enable_prefix_caching else 'off'}"
           + (f" | kv policy {engine.kv_policy}" if engine.kv_policy is not None else "")
+          + (f" | speculative {engine.speculator.config.method} k={engine.speculator.config.num_speculative_tokens}"
+             if engine.speculator is not None else "")
           + (f" | kv tier {', '.join(engine.cache_listener.tier.names)}" if args.kv_tier else "")
           + (f" | kv events on {engine.cache_listener.events.config.endpoint}"
              if engine.cache_listener is not None and engine.cache_listener.events is not None else "")
