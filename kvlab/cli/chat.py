@@ -303,6 +303,8 @@ class Chat:
         a = self.args
         fed = time.perf_counter()
         turn = self.session.feed(ids)
+        prefill = time.perf_counter() - fed
+        prefill -= compiles.seconds_between(fed, fed + prefill)
         room = self.model.config.max_position_embeddings - len(ids)
         stream = self.session.stream(min(a.max_tokens, room), **self.sampling.values, stop_token_ids=self.stop,
                                      seed=None if a.seed is None else a.seed + self.replies, grammar=self.grammar)
@@ -319,7 +321,6 @@ class Chat:
             self.note("\n(interrupted)")
         end = time.perf_counter()
         seconds = end - start - compiles.seconds_between(start, end)
-        prefill = turn.seconds - compiles.seconds_between(fed, start)
         self.out.write(decoder.flush() + "\n")
         self.out.flush()
         self.conversation.add("assistant", self.tokenizer.decode(new), new)
