@@ -266,7 +266,8 @@ def add_hyperparameters(writer: Any, config: Any, arch: str) -> None:
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    if arch != "phi3":  # Phi-3's head size is hidden / heads: no key
+    derived = config.head_dim * config.num_attention_heads == config.hidden_size
+    if arch != "phi3" and not (arch == "smollm3" and derived):  # what llama.cpp derives, the converter omits
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
