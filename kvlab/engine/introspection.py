@@ -101,6 +101,8 @@ def cache_state(engine: "Engine") -> dict[str, Any]:
                 # the blocks it holds; a window or policy has given back the first num_released_blocks
                 "block_table": [b for b in seq.block_table if b >= 0],
                 "num_released_blocks": sum(1 for b in seq.block_table if b < 0),
+                # speculative decoding: guesses made and kept so far (the explorer shows the acceptance)
+                "num_drafted_tokens": seq.num_drafted, "num_accepted_tokens": seq.num_accepted,
                 "root_key": request.root_key.hex()})
     return {"block_size": size, "num_blocks": pool.num_blocks, "num_free_blocks": pool.num_free_blocks,
             "num_cached_blocks": pool.num_evictable_blocks, "num_used_blocks": pool.num_used_blocks,

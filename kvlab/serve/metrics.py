@@ -29,7 +29,13 @@ ENGINE_COUNTERS = [
     ("prompt_tokens", "num_prompt_tokens", "Prompt tokens processed"),
     ("generation_tokens", "num_generation_tokens", "Tokens generated"),
     *LISTENER_COUNTERS,  # issue 23: KV tier (lookups, hits, bytes, dropped, refused, errors), KV events
+    # speculative decoding (issue 35), vLLM's spec_decode_* names
+    ("spec_decode_num_drafts", "spec_decode_num_drafts", "Verifications of speculative guesses"),
+    ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Speculative tokens guessed"),
+    ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens", "Speculative tokens accepted"),
 ]
+SPEC_PER_POS = ("spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_accepted_tokens_per_pos",
+                "Speculative tokens accepted, by their position among the guesses (0: the first)")
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
@@ -53,6 +59,11 @@ class _EngineCollector:
             family = CounterMetricFamily(f"kvlab:{name}", doc, labels=["model_name"])
             family.add_metric([self.model_name], float(snapshot.get(key, 0)))
             yield family
+        name, key, doc = SPEC_PER_POS  # one sample per guess position seen so far, as vLLM labels them
+        family = CounterMetricFamily(f"kvlab:{name}", doc, labels=["model_name", "position"])
+        for position, count in enumerate(snapshot.get(key, ())):
+            family.add_metric([self.model_name, str(position)], float(count))
+        yield family
 
 
 class ServerMetrics:

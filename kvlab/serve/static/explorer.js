@@ -131,9 +131,16 @@ function renderRequests(s) {
       el("td", { text: `${r.num_prompt_tokens}` }),
       el("td", {}, split, el("span", { class: "dim", text: ` ${r.num_cached_tokens} cached` +
         (r.num_tier_tokens ? ` (${r.num_tier_tokens} from the KV tier)` : "") })),
-      el("td", { text: `${r.num_output_tokens}` }), el("td", { text: `${r.block_table.length}` })));
+      el("td", { text: `${r.num_output_tokens}` }), el("td", { text: `${r.block_table.length}` }),
+      el("td", { class: "acceptance", text: acceptance(r) })));
   }
-  if (!s.requests.length) body.append(el("tr", {}, el("td", { class: "dim", colspan: 6, text: "idle" })));
+  if (!s.requests.length) body.append(el("tr", {}, el("td", { class: "dim", colspan: 7, text: "idle" })));
+}
+
+// speculative decoding: guesses kept / guesses made ("-" when the request has not speculated)
+function acceptance(r) {
+  const drafted = r.num_drafted_tokens || 0, accepted = r.num_accepted_tokens || 0;
+  return drafted ? `${accepted}/${drafted} (${Math.round((100 * accepted) / drafted)} %)` : "-";
 }
 
 function renderChart(s) {
