@@ -24,6 +24,11 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
+    def unrecognized(self, extra: list[str]) -> NoReturn:
+        """A flag this command does not have: its usage (which flags it does have), then the error line."""
+        self.print_usage(sys.stderr)
+        self.error(f"unrecognized arguments: {' '.join(extra)}")
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="kvlab", description="An exact, inspectable KV-cache engine.")
@@ -34,6 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMANDS:
         importlib.import_module(f"kvlab.cli.{name}").add_parser(sub)
     return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """parse_args, except that an argument the subcommand does not know is reported by that subcommand, with
+    its usage (`kvlab chat --bogus`), not by `kvlab` pointing at the list of commands."""
+    args, extra = parser.parse_known_args(argv)
+    if extra and any(arg in extra for arg in argv[:argv.index(args.command)]):  # `kvlab --bogus generate`
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices[args.command].unrecognized(extra)
+    return args
 
 
 def normalize_flags(argv: list[str]) -> list[str]:
@@ -60,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         except UnicodeEncodeError:  # the OS handed Python bytes that are not UTF-8 (surrogate-escaped)
             print(f"kvlab: error: argument {i + 1} ({arg!r}) is not valid UTF-8", file=sys.stderr)
             return 2
-    args = build_parser().parse_args(normalize_flags(argv))
+    args = parse_args(build_parser(), normalize_flags(argv))
     try:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:

@@ -43,7 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="multi-turn chat that keeps the KV cache across turns",
                        description="Chat with a model; each turn computes only what is not cached yet.",
                        epilog=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", metavar="PATH",
+    p.add_argument("-m", "--model", metavar="PATH",
                    help="HF model folder or .gguf file (default: kvlab's bundled model)")
     p.add_argument("--tiny", action="store_true", help="use the seeds' TinyLlama (random weights, bytes)")
     p.add_argument("--tiny-seed", type=int, default=7, help="TinyLlama weight seed (default 7)")

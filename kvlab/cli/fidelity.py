@@ -30,7 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "a cache dtype (int8, int4, int8-channel, fp8_e4m3, fp8_e5m2, float16, "
                                    "bfloat16), a policy (" + POLICY_FORMS + "), or dtype+policy "
                                    "(int8+sinks:4:60).")
-    p.add_argument("--model", help="HF model folder or .gguf file (default: the shipped Shakespeare model)")
+    p.add_argument("-m", "--model", help="HF model folder or .gguf file (default: the shipped Shakespeare model)")
     p.add_argument("--text", help="text file (default: validation.txt in the model folder)")
     p.add_argument("--policy", "--policies", dest="policies", action="append", metavar="CHOICE",
                    help="a cache choice, repeatable or comma-separated (default: "

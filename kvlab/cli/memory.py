@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "does not run are sized too (\"sizing only\").")
     p.add_argument("path", nargs="?", default=None, help="an HF config.json or model folder, or a .gguf file "
                    "(the same as --config)")
-    p.add_argument("--config", "--model", dest="config",
+    p.add_argument("--config", "-m", "--model", dest="config",
                    help="an HF config.json, model folder or .gguf file; default: the tiny seed model")
     p.add_argument("--dtype", help="cache dtype: " + ", ".join(DTYPE_BYTES)
                    + " (default: what kvlab allocates: the compute dtype, float64 for the tiny model, float32 "

@@ -15,7 +15,7 @@ from kvlab.perplexity import perplexity
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("perplexity", help="perplexity on held-out text",
                        description="Perplexity with non-overlapping (or strided) windows; <bos> opens each.")
-    p.add_argument("--model", help="HF model folder or .gguf file (default: the shipped Shakespeare model)")
+    p.add_argument("-m", "--model", help="HF model folder or .gguf file (default: the shipped Shakespeare model)")
     p.add_argument("--text", help="text file (default: validation.txt in the model folder)")
     p.add_argument("--context", type=int, default=None, help="window length (default: model context)")
     p.add_argument("--stride", type=int, default=None, help="scored tokens per window (default: context)")

@@ -25,7 +25,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Serve a model over the OpenAI API (completions, chat, streaming) with "
                                    "continuous batching and a prefix cache; open http://HOST:PORT/ for the "
                                    "cache explorer.")
-    p.add_argument("--model", metavar="PATH", default=None,
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` takes it (the same as --model)")
+    p.add_argument("-m", "--model", metavar="PATH", default=None,
                    help="HF model folder (config.json, *.safetensors, tokenizer.json), a .gguf file or a folder "
                         "holding one (default: bundled)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -106,6 +108,11 @@ def build_engine(args: argparse.Namespace):
         raise ConfigError("give --kv-cache-memory or --num-blocks, not both")
     if args.max_waiting < 1:
         raise ConfigError(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    tag = getattr(args, "model_tag", None)  # `kvlab serve MODEL`, vLLM's form
+    if tag is not None:
+        if args.model is not None and args.model != tag:
+            raise ConfigError(f"two models given: {tag} and --model {args.model}; give one")
+        args.model = tag
     if args.max_request_bytes < 1:
         raise ConfigError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     spec = speculative_config(args)  # a bad config names its field before anything loads

@@ -20,7 +20,7 @@ from kvlab.verify import default_tolerance, fixed_tolerance, verify_model
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="prove cached logits equal a full recompute",
                        description="Compare cached and full-prefix logits over several schedules.")
-    p.add_argument("--model", metavar="PATH", default=None,
+    p.add_argument("-m", "--model", metavar="PATH", default=None,
                    help="verify an HF model folder or a .gguf file instead ('default' = the shipped model)")
     p.add_argument("--seed", type=int, default=7, help="TinyLlama weight seed (default 7, the seeds' model)")
     p.add_argument("--tolerance", type=float, default=None,
