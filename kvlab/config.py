@@ -150,7 +150,8 @@ class ModelConfig:
         d["hidden_act"] = self.hidden_act
         if self.architecture in GEMMA:
             d["hidden_activation"] = self.hidden_act
-            d["query_pre_attn_scalar"] = self.query_pre_attn_scalar
+            scalar = self.query_pre_attn_scalar  # transformers' Gemma configs require an int where it is one
+            d["query_pre_attn_scalar"] = int(scalar) if scalar is not None and scalar.is_integer() else scalar
             d["attn_logit_softcapping"] = self.attn_logit_softcapping
             d["final_logit_softcapping"] = self.final_logit_softcapping
         if self.layer_types is not None:

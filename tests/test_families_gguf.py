@@ -85,15 +85,12 @@ def make_gguf_checkpoint(folder: Path, name: str) -> Path:
     from kvlab.hf.safetensors import load_file, save_file
 
     make_family_checkpoint(folder, name, **GGUF_CHANGES[name])
-    if FAMILIES[name][2].get("tie_word_embeddings", True) is not False or GGUF_CHANGES[name].get(
-            "tie_word_embeddings"):
-        weights = {k: np.array(v) for k, v in load_file(folder / "model.safetensors").items()}
-        if "lm_head.weight" not in weights:
-            rng = np.random.default_rng(0)
-            shift = -1.0 if name.startswith("gemma") else 0.0  # Gemma's norms scale by (1 + w)
-            weights["model.norm.weight"] = rng.normal(shift, 1.0, weights["model.norm.weight"].shape).astype(
-                np.float32)
-            save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    weights = {k: np.array(v) for k, v in load_file(folder / "model.safetensors").items()}
+    if "lm_head.weight" not in weights:  # tied
+        shift = -1.0 if name.startswith("gemma") else 0.0  # Gemma's norms scale by (1 + w)
+        norm = np.random.default_rng(0).normal(shift, 1.0, weights["model.norm.weight"].shape)
+        weights["model.norm.weight"] = norm.astype(np.float32)
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     return folder
 
 

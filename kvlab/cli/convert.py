@@ -28,8 +28,9 @@ DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bf
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("convert", help="convert a GGUF file to a Hugging Face model folder",
-                       description="Dequantize a GGUF file (llama, mistral, qwen2) into an HF folder: "
-                                   "config.json, model.safetensors, tokenizer.json, chat template.")
+                       description="Dequantize a GGUF file (llama, mistral, qwen2, qwen3, smollm3, phi3, gemma2, "
+                                   "gemma3) into an HF folder: config.json, model.safetensors, tokenizer.json, "
+                                   "chat template.")
     p.add_argument("source", metavar="MODEL.gguf", help="the GGUF file (or a folder holding one)")
     p.add_argument("output", metavar="OUT_DIR", help="the folder to create (must not exist, or be empty)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
@@ -61,7 +62,7 @@ def hf_files(checkpoint: Any, sampling: Any, dtype: str = "float32") -> dict[str
     eos = list(tokenizer.eos_token_ids)
     files: dict[str, Any] = {
         "config.json": {**config.to_hf_dict(), "eos_token_id": eos[0] if len(eos) == 1 else eos or None,
-                        "dtype": dtype},
+                        "pad_token_id": tokenizer.pad_token_id, "dtype": dtype},  # else a class default
         "tokenizer_config.json": {
             "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": text(tokenizer.bos_token_id),
             "eos_token": text(tokenizer.eos_token_id), "pad_token": text(tokenizer.pad_token_id),
