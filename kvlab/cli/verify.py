@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+
+import numpy as np
 
 from rich.table import Table
 
@@ -11,7 +14,8 @@ from kvlab.cli.fmt import console
 from kvlab.cli.model_flags import add_activations_flag
 from kvlab.cli.sampling_flags import add_grammar_flags, compiled_grammar, grammar_spec
 from kvlab.errors import InputError
-from kvlab.model.llama import TinyLlama
+from kvlab.loader import DEFAULT_COMPUTE_DTYPE
+from kvlab.model.llama import LlamaModel, TinyLlama
 from kvlab.tokenizer import ByteTokenizer
 from kvlab import validate
 from kvlab.verify import default_tolerance, fixed_tolerance, verify_model
@@ -29,8 +33,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--length", type=int, default=24, help="tokens per checked sequence (default 24)")
     p.add_argument("--bidirectional", action="store_true",
                    help="negative control: a non-causal model, for which the check must fail")
-    p.add_argument("--dtype", choices=["float64", "float32"], default="float64",
-                   help="compute dtype (default float64)")
+    p.add_argument("--dtype", choices=["float64", "float32"], default=None,
+                   help="compute dtype. Default for --model: float32 with the weights as stored, what generate, "
+                        "chat and serve run; float64 is the deeper check of the model itself (weights dequantized "
+                        "or cast to float64, ~4x the time and memory). Default for the seeds' tiny model: float64")
     p.add_argument("--backend", choices=["auto", "numba", "numpy"], default="auto",
                    help="compiled kernels (numba, the default where available) or the NumPy reference")
     p.add_argument("--json", action="store_true", help="print results as JSON")
@@ -39,11 +45,45 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+def weight_formats(model: LlamaModel) -> list[str]:
+    """How the model holds its matrices: GGUF block types ("Q4_0") and NumPy dtypes ("float32"), sorted."""
+    matrices = [model.embed, model.lm_head]
+    for layer in model.layers:
+        matrices += [getattr(layer, f.name) for f in dataclasses.fields(layer)]
+    formats: set[str] = set()
+    while matrices:
+        m = matrices.pop()
+        if hasattr(m, "parts"):  # a RowStack of differently typed matrices
+            matrices += m.parts
+        elif hasattr(m, "type_name"):
+            formats.add(m.type_name)
+        elif getattr(m, "ndim", 0) == 2:
+            formats.add(np.dtype(m.dtype).name)
+    return sorted(formats)
+
+
+def verified_path(model: LlamaModel, loaded: bool) -> dict:
+    """Which computation the verdict is about: compute dtype, weights as the model holds them (as generate,
+    chat and serve hold them, or converted for the float64 reference) and compiled kernels or NumPy."""
+    formats = weight_formats(model)
+    runs = not loaded or model.dtype == np.dtype(DEFAULT_COMPUTE_DTYPE)
+    weights = (f"weights {' + '.join(formats)}" + (" as stored, as generate, chat and serve run them" if runs and loaded
+                                                   else " (random, the seeds' model)" if not loaded
+                                                   else f" (converted to {model.dtype.name} for the reference; "
+                                                        f"generate, chat and serve run {DEFAULT_COMPUTE_DTYPE} "
+                                                        "with the weights as stored)"))
+    kernels = "compiled kernels (numba)" if model.backend == "numba" else "NumPy reference"
+    return {"dtype": model.dtype.name, "weights": formats, "weights_as_run": runs, "backend": model.backend,
+            "summary": f"{model.dtype.name} compute, {weights}, {kernels}"}
+
+
 def run(args: argparse.Namespace) -> int:
     seed = validate.seed(args.seed, "--seed", allow_random=False)
     length = validate.int_in_range(args.length, "--length", 2, 1 << 20)
     tolerance = None if args.tolerance is None else fixed_tolerance(args.tolerance)
     spec, tokenizer = grammar_spec(args), None  # a bad grammar or schema fails before the model loads
+    if args.dtype is None:  # a model: the path users run; the seeds' tiny model: float64, as it always was
+        args.dtype = DEFAULT_COMPUTE_DTYPE if args.model is not None else "float64"
     if args.model is not None:
         from kvlab.loader import load, load_model
 
@@ -65,10 +105,11 @@ def run(args: argparse.Namespace) -> int:
     if grammar is not None:
         label += f", {spec.label} on"
     tolerance = tolerance or default_tolerance(model)
+    path = verified_path(model, loaded=args.model is not None)
     results = verify_model(model, tolerance=tolerance, length=length, grammar=grammar, tokenizer=tokenizer)
     passed = all(r.passed for r in results)
     if args.json:
-        print(json.dumps({"model": label, "passed": passed, "tolerance_rule": tolerance.rule,
+        print(json.dumps({"model": label, "path": path, "passed": passed, "tolerance_rule": tolerance.rule,
                           "rtol": tolerance.rtol, "atol": tolerance.atol, "checks": [
             {"name": r.name, "schedule": r.description, "max_abs_error": r.max_abs_error,
              "max_abs_logit": r.max_abs_logit, "tolerance": r.tolerance, "passed": r.passed}
@@ -85,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(r.name, r.description, f"{r.max_abs_error:.2e}", f"{r.tolerance:.1e}",
                       "[green]ok[/]" if r.passed else "[red]FAIL[/]")
     con.print(table)
+    con.print(f"path verified: {path['summary']}", markup=False)
     con.print(f"tolerance = {tolerance.rule}; max|logit| per check "
               f"{min(r.max_abs_logit for r in results):.3g}-{max(r.max_abs_logit for r in results):.3g}",
               markup=False)

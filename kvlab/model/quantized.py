@@ -186,6 +186,8 @@ their bits (uint16): numba has no float16 arrays."""
         it beside the bands + BLAS), so a row's product does not depend on how many rows share the call;
         the NumPy reference multiplies the rounded x by the dequantized bands."""
         flat = np.ascontiguousarray(x.reshape(-1, x.shape[-1]))
+        if flat.shape[0] == 0:  # no rows (an engine step whose prefill chunk needs no logits): the kernels want one
+            return np.zeros((*x.shape[:-1], self.shape[0]), dtype=x.dtype)
         if activations == "q8" and compiled and flat.dtype == np.float32:
             from kvlab.kernels.qgemv import qmatmul_dot
 
