@@ -45,6 +45,8 @@ class DraftProposer:
         cache, fed = self._state.get(seq, (None, []))
         ids = seq.token_ids
         common = _common_prefix(fed, ids)
+        if common == len(ids):  # all fed already (the last step did not verify: not scheduled, guesses
+            common -= 1         # trimmed by the budget): feed the last token again for its logits
         if cache is None or common == 0:
             cache, fed, common = None, [], 0
         elif common < len(fed):

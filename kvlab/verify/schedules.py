@@ -5,7 +5,12 @@ through one batched paged forward per step and compares every position's logits 
 "engine" runs requests sharing a prefix through an Engine with a pool small enough to preempt, chunked
 prefill and a warm prefix cache, and compares each generated token's logprob with the full recompute's
 (the engine exposes logprobs, not logits; a token that differs from the recompute's argmax counts as an
-infinite error).
+infinite error). Two more run speculative decoding (issue 35) the same way: "speculative" with prompt lookup
+over prompts that repeat a motif, "speculative-draft" with the model guessing for itself and every
+proposal's last guess spoiled, so most verifications keep some guesses and reject the rest; both in a tight
+pool with chunked prefill and a warm prefix cache. Every emitted token's logprob comes from a verified row
+(a one-token query among k + 1) and must equal the full recompute's; a schedule in which no guess was kept
+and none rejected proved nothing and reports an infinite error.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kvlab.cache.paged import BlockPool, slot_mapping
+from kvlab.engine.draft import DraftProposer
 from kvlab.engine.engine import Engine
 from kvlab.model.batch import BatchInput
 from kvlab.sampling.sampler import SamplingParams
@@ -80,14 +86,35 @@ def engine_schedules(model: LlamaModel, rng: np.random.Generator,
         return (max(float(np.abs(g - w).max()) for g, w in zip(got, wants)),
                 max(float(np.abs(w).max()) for w in wants))
 
-    def engine() -> tuple[float, float]:
-        stem_len, new_tokens = max(1, length // 2), max(1, length // 4)
+    def engine(speculative: str | None = None) -> tuple[float, float]:
+        # prompt lookup on a random model guesses only when an output token was seen before: a few fresh
+        # prompts until one gave it something to verify (deterministic: drawn from rng)
+        for _ in range(8 if speculative == "ngram" else 1):
+            error, scale, kept, guessed = engine_once(speculative)
+            if guessed or speculative is None:
+                break
+        if speculative is not None and not (guessed > 0 and (speculative == "ngram" or 0 < kept < guessed)):
+            return float("inf"), scale  # nothing verified (or, spoiled, not both kept and rejected): unproved
+        return error, scale
+
+    def engine_once(speculative: str | None) -> tuple[float, float, int, int]:
+        """(max error, max |reference|, guesses kept, guesses made) of one engine run."""
+        stem_len, new_tokens = max(1, length // 2), max(1 if speculative is None else 6, length // 4)
         stem = rng.integers(0, vocab, stem_len).tolist()
         prompts = [stem + rng.integers(0, vocab, int(rng.integers(1, length // 4 + 2))).tolist()
                    for _ in range(3)]
+        spec = None
+        if speculative == "ngram":  # X + the model's greedy continuation of X + X: lookup guesses it again
+            prompts = [_echo(model, p[:max(2, len(p) // 3)], new_tokens) for p in prompts]
+            spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+        elif speculative == "draft":  # its own guesses, the last of each spoiled (set below)
+            spec = {"method": "ngram", "num_speculative_tokens": 3}
         params = SamplingParams(max_tokens=new_tokens, logprobs=0, ignore_eos=True)
         longest = max(len(p) for p in prompts) + new_tokens
-        eng = Engine(model, block_size=4, num_blocks=-(-longest // 4) + 2, max_num_batched_tokens=5)
+        eng = Engine(model, block_size=4, num_blocks=-(-longest // 4) + 2 + (spec is not None),
+                     max_num_batched_tokens=5, speculative_config=spec)
+        if speculative == "draft":
+            eng.speculator.draft = _SpoiledDraft(DraftProposer(model), vocab)
         eng.generate([prompts[0]], params)  # warm the prefix cache
         error = scale = 0.0
         for prompt, out in zip(prompts, eng.generate(prompts, params)):
@@ -97,11 +124,42 @@ def engine_schedules(model: LlamaModel, rng: np.random.Generator,
             for i, (token, logprobs) in enumerate(zip(sample.token_ids, sample.logprobs)):
                 row = full[len(prompt) - 1 + i]
                 if token != int(np.argmax(row)):
-                    return float("inf"), scale
+                    error = float("inf")
                 error = max(error, abs(logprobs[token] - float(row[token])))
-        return error, scale
+        stats = eng.stats()
+        return error, scale, stats["spec_decode_num_accepted_tokens"], stats["spec_decode_num_draft_tokens"]
 
     return [
         ("paged", "3 sequences batched in one paged forward per step, random chunks", paged),
         ("engine", "Engine: shared prefix, warm prefix cache, tight pool (preempts), 5-token chunks", engine),
+        ("speculative", "Engine + ngram prompt lookup (k=4) on repeating prompts, tight pool, 5-token chunks",
+         lambda: engine("ngram")),
+        ("speculative-draft", "Engine + the model as its own draft (k=3, last guess spoiled): kept and "
+                              "rejected guesses, tight pool", lambda: engine("draft")),
     ]
+
+
+def _echo(model: LlamaModel, head: list[int], new_tokens: int) -> list[int]:
+    """head + its greedy continuation + head: a prompt whose end was seen before, followed by text the model
+    itself wrote (what prompt lookup bets on)."""
+    ids = list(head)
+    for _ in range(new_tokens):
+        ids.append(int(np.argmax(model.forward(np.array([ids])).logits[0, -1])))
+    return ids + list(head)
+
+
+class _SpoiledDraft:
+    """A draft proposer whose proposals end in a wrong token: verification keeps the good guesses and rolls
+    back the spoiled one, every step."""
+
+    def __init__(self, inner: DraftProposer, vocab: int) -> None:
+        self.inner, self.vocab = inner, vocab
+
+    def propose(self, seq: object, count: int) -> list[int]:
+        guesses = self.inner.propose(seq, count)
+        if len(guesses) > 1:
+            guesses[-1] = (guesses[-1] + 1) % self.vocab
+        return guesses
+
+    def rollback(self, seq: object) -> None:
+        self.inner.rollback(seq)
