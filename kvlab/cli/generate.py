@@ -31,9 +31,11 @@ from kvlab.sessions.prompt_cache import generate_with_prompt_cache
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="complete a prompt with a model, streaming the text",
-                       description="Complete PROMPT with a Hugging Face Llama/Mistral/Qwen2 folder (default: "
-                                   "kvlab's bundled model). Text goes to stdout as it is produced; one line "
-                                   "of stats goes to stderr.")
+                       description="Complete PROMPT with a model: a Hugging Face folder (config.json, "
+                                   "*.safetensors, tokenizer.json) or a GGUF file (llama.cpp's format, its "
+                                   "block types kept as stored) of a Llama-family model (default: kvlab's "
+                                   "bundled model). Text goes to stdout as it is produced; one line of stats "
+                                   "goes to stderr.")
     p.add_argument("prompt", nargs="?", default=None, help="the prompt text (default: read stdin)")
     p.add_argument("-m", "--model", metavar="PATH", default=None,
                    help="HF model folder (config.json, *.safetensors, tokenizer.json) or a .gguf file "
