@@ -29,9 +29,10 @@ def weight_progress(total_bytes: int, progress: bool | None = None) -> Iterator[
 
 
 # numba compiles kvlab's kernels on first use and keeps them on disk (kvlab/kernels/cache_dir.py). Measured
-# on 2 cores with an empty cache: the default model's warm-up compiled 88 functions in 34.5-50 s (issue 32;
-# `NUMBA_CACHE_DIR=$(mktemp -d) kvlab generate "x"`), the server's paged kernels ~4 s more.
-COMPILE_ESTIMATE_SECONDS = 45
+# on 2 cores with an empty cache (`NUMBA_CACHE_DIR=$(mktemp -d) kvlab generate "x"`): the default model's
+# warm-up compiled 88 functions in 27.0, 27.4 and 28.5 s on a quiet machine, 34.5 s (issue 32) and 50 s beside
+# other work; serve's start-up 94 functions in 35.8 s.
+COMPILE_ESTIMATE_SECONDS = 30
 
 
 class KernelCompiles:
