@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -78,13 +79,17 @@ def run_cli(argv: list[str], capsys: Any, monkeypatch: Any, stdin: bytes | None 
     return code, out, err
 
 
+# a cold numba cache announces its compile before the command gets to refuse (issue 32 item 3): progress, not error
+COMPILE_NOTE = re.compile(r"compiling kernels \(first run only|kernels compiled in [0-9.]+ s")
+
+
 def cli_refuses(argv: list[str], capsys: Any, monkeypatch: Any, stdin: bytes | None = None,
                 watch: Path | None = None, match: str | None = None) -> str:
     """The CLI refuses `argv`: exit code != 0, one line on stderr, no traceback, `watch` unchanged."""
     TALLY["tried"] += 1
     before = tree_state(watch) if watch is not None else None
     code, _, err = run_cli(argv, capsys, monkeypatch, stdin)
-    lines = err.strip("\n").splitlines()
+    lines = [line for line in err.strip("\n").splitlines() if not COMPILE_NOTE.search(line)]
     if lines and lines[0].startswith("usage: kvlab "):  # an unknown flag: that command's usage first (issue 32)
         end = 1
         while end < len(lines) and lines[end].startswith(" "):  # the usage's continuation lines

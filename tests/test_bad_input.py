@@ -125,7 +125,7 @@ BASE_HF = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_siz
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported \(only 'silu'\)"),
+    ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported \(silu, gelu_pytorch_tanh\)"),
     ({"vocab_size": None}, "missing field\\(s\\) vocab_size"),
     ({"mlp_bias": True}, "mlp_bias=true is not supported"),
     ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 8,

@@ -8,6 +8,9 @@ import numpy as np
 import pytest
 
 
+SCHEDULES = ("decode", "chunks", "batch", "fork", "crop", "paged", "engine", "speculative", "speculative-draft")
+
+
 def kvlab(*args, check=True):
     proc = subprocess.run([sys.executable, "-m", "kvlab.cli", *args], capture_output=True, text=True,
                           timeout=300)
@@ -20,8 +23,7 @@ def test_verify_passes_on_the_causal_model():
     out = kvlab("verify", "--json")
     result = json.loads(out.stdout)
     assert result["passed"] is True
-    assert {c["name"] for c in result["checks"]} == {"decode", "chunks", "batch", "fork", "crop", "paged",
-                                                     "engine"}
+    assert {c["name"] for c in result["checks"]} == set(SCHEDULES)
     assert all(c["max_abs_error"] <= 1e-10 for c in result["checks"])
 
 
@@ -38,7 +40,7 @@ def test_verify_bidirectional_fails_with_a_clear_message():
     out = kvlab("verify", "--bidirectional", check=False)
     assert out.returncode == 1
     verdicts = {row[0]: row[-1] for row in table_rows(out.stdout) if row[0]}
-    assert verdicts == {name: "FAIL" for name in ("decode", "chunks", "batch", "fork", "crop", "paged", "engine")}
+    assert verdicts == {name: "FAIL" for name in SCHEDULES}
     assert "not causal" in out.stdout
     result = json.loads(kvlab("verify", "--bidirectional", "--json", check=False).stdout)
     assert result["passed"] is False

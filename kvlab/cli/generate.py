@@ -12,6 +12,7 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence, TextIO
 
 from kvlab.cache.dtypes import KV_CACHE_DTYPES
@@ -272,6 +273,11 @@ def run(args: argparse.Namespace) -> int:
     max_tokens = None if args.max_tokens == -1 else args.max_tokens
     context = model.config.max_position_embeddings
     capacity = min(context, len(prompt) + (max_tokens or context), policy.budget if policy else context)
+    if args.prompt_cache and policy is not None:  # refused before a cold start compiles for it
+        raise InputError("--prompt-cache cannot be combined with --context-shift or --cache-policy: a "
+                         "shifted cache no longer matches the prompt's token prefix")
+    if args.prompt_cache and Path(args.prompt_cache).is_dir():
+        raise InputError(f"{args.prompt_cache}: cannot read (Is a directory)")
     cache = model.new_cache(1, kv_dtype=args.kv_dtype, capacity=capacity)
     with compiling_kernels() as warm_up:  # a first run compiles, and says so; a warm one loads numba's disk cache
         model.warm_up(args.kv_dtype)  # so the prefill figure is the prefill's own
@@ -291,9 +297,6 @@ def run(args: argparse.Namespace) -> int:
                     grammar=compiled_grammar(args, tokenizer, model.config.vocab_size, stop))
     compiles = KernelCompiles().start()  # a compile the warm-up did not cover: kept out of the figures
     try:
-        if args.prompt_cache and policy is not None:
-            raise InputError("--prompt-cache cannot be combined with --context-shift or --cache-policy: a "
-                             "shifted cache no longer matches the prompt's token prefix")
         if args.prompt_cache:  # a Session restored from FILE: reuses the common prefix, saved back after
             done = generate_with_prompt_cache(model, prompt, args.prompt_cache, max_tokens,
                                               kv_dtype=args.kv_dtype, on_token=stream.on_token,
