@@ -83,11 +83,6 @@ class ModelConfig:
             raise ConfigError("invalid model config: " + "; ".join(problems))
 
     @property
-    def num_query_groups(self) -> int:
-        """Query heads per KV head (1 = MHA, num_attention_heads = MQA)."""
-        return self.num_attention_heads // self.num_key_value_heads
-
-    @property
     def eos_token_ids(self) -> tuple[int, ...]:
         if self.eos_token_id is None:
             return ()

@@ -67,11 +67,6 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: object) -> i
     return int(_exact_bytes_per_token(config, dtype) * block_size)
 
 
-def blocks_in_budget(config: ModelConfig, budget_bytes: int, block_size: int, dtype: object) -> int:
-    """How many whole blocks fit in `budget_bytes`."""
-    return int(budget_bytes) // kv_bytes_per_block(config, block_size, dtype)
-
-
 def kv_payload_bytes(config: ModelConfig, num_tokens: int, batch_size: int = 1,
                      dtype: str = "float64") -> float:
     """2 * L * B * H_kv * T * d * b."""

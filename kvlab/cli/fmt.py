@@ -6,7 +6,7 @@ import sys
 
 from rich.console import Console
 
-from kvlab.validate import decode_text, parse_size
+from kvlab.validate import decode_text
 
 
 def human_bytes(n: float) -> str:
@@ -16,11 +16,6 @@ def human_bytes(n: float) -> str:
             return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
         n /= 1024
     return f"{n} B"  # unreachable
-
-
-def parse_bytes(text: str) -> int:
-    """'80GiB', '8 GB', '1e9', '524288' -> bytes (kvlab.validate.parse_size; InputError names the text)."""
-    return parse_size(text, "byte count")
 
 
 def read_stdin() -> str:
