@@ -1,4 +1,4 @@
-"""The engine: a request's tokens do not depend on its company (DESIGN invariant 9), pools balance at
+"""The engine: a request's tokens do not depend on its company (ARCHITECTURE.md invariant 9), pools balance at
 idle, bad input is refused with nothing changed, and the API the server reads behaves as documented."""
 
 import json

@@ -1,6 +1,6 @@
 """The compiled kernels against their NumPy twins, and the two backends of the model against each other.
 
-Every fast path has a plain twin (DESIGN invariant 10): gemv over float32/float16/bfloat16 weights vs
+Every fast path has a plain twin (ARCHITECTURE.md invariant 10): gemv over float32/float16/bfloat16 weights vs
 `layers.linear`; decode attention over contiguous and paged caches of each dtype vs gather-then-softmax;
 the whole model on `backend="numba"` vs `backend="numpy"` (hypothesis over configs, GQA ratios, windows,
 batches, weight and cache dtypes). Errors are measured against float32 rounding, never assumed zero.

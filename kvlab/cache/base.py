@@ -4,7 +4,7 @@ The model's attention (kvlab/model/attention.py) asks a contiguous Cache one thi
 the new keys and values at these positions; give me all keys, values and key positions to attend to"
 (`update`; `append` for kernels that read the rows where they lie), then the model `commit`s once every
 layer has written. Until the commit the new rows are invisible to `get_seq_length`, so a forward that
-fails half-way leaves the cache exactly as it was (DESIGN invariant 8). A block pool (PagedKV) is read and
+fails half-way leaves the cache exactly as it was (ARCHITECTURE.md invariant 8). A block pool (PagedKV) is read and
 written per layer through block tables and a slot mapping. The model knows these protocols, never the
 classes that implement them (KVCache, BlockPool).
 """

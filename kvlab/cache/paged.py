@@ -5,7 +5,7 @@ request owns a block table (a list of block ids); a token at position p of a req
 `table[p // block_size]` at offset `p % block_size`, and its global slot is `block * block_size + offset`
 (the slot mapping a batched forward writes through).
 
-Every block is in exactly one of three states (DESIGN invariant 7, checked by `check_invariants`):
+Every block is in exactly one of three states (ARCHITECTURE.md invariant 7, checked by `check_invariants`):
   - free: holds nothing anyone may read; on the free list;
   - evictable: ref_count 0 but held by an Evictor (the prefix cache, kvlab/prefix/prefix_cache.py), so a
     later request may reuse it; the evictor gives it back, least recently used first, when the pool runs dry;

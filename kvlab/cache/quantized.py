@@ -15,7 +15,7 @@ and are quantized again, with fresh scales, when the block refills.
 Eviction policies move kept rows to new positions (kvlab/policies/apply.py). Token-grouped stores move
 codes and scales as they are and remember how far each key moved; `read` applies that RoPE rotation after
 dequantizing (`keep_rows`), so a key is rounded once in its life however often it moves. This is the one
-place a cached key is rotated at read time rather than stored rotated (DESIGN invariant 1): storing it
+place a cached key is rotated at read time rather than stored rotated (ARCHITECTURE.md invariant 1): storing it
 again would round it again at every eviction.
 """
 

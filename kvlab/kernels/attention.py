@@ -6,7 +6,7 @@ where they lie: an int8 row is a quarter of float32's bytes, and reading fewer b
 quantized cache. No copy of the cache is made; a tile of TILE rows at a time is widened (bits.py) or
 dequantized into a scratch tile of the compute dtype that stays in L1, shared by the G query heads.
 
-GQA stays compact (DESIGN invariant 3): the G query heads of a KV head are one work item, so each key and
+GQA stays compact (ARCHITECTURE.md invariant 3): the G query heads of a KV head are one work item, so each key and
 value row is read once for the whole group. A work item walks its keys a TILE at a time: the G x TILE
 scores of a tile (one pass over its keys), an online-softmax update (rescale what was summed so far to
 the new running max, as flash attention does), then one pass over the tile's values. For float32 tiles

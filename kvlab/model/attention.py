@@ -3,7 +3,7 @@
 The layer loop hands an Attention the layer's new rows of a flat batch of N tokens, after RoPE:
 q [N, H_q, d], k and v [N, H_kv, d]. It writes k and v where the storage keeps them, attends each query
 to the keys its sequence may see and returns the merged heads o [N, H_q d]. Everything that is the same
-in every layer (the mask from absolute positions, DESIGN invariant 2; key ranges for the kernels; block
+in every layer (the mask from absolute positions, ARCHITECTURE.md invariant 2; key ranges for the kernels; block
 tables) is built once, when the Attention is made for one forward.
 
   * `ContiguousAttention` over a Cache (kvlab/cache/base.py, KVCache): B sequences in rows

@@ -3,7 +3,7 @@
 The pool stores each layer as [num_blocks, H_kv, block_size, d]; a sequence's token at position p sits in
 block `block_table[p // block_size]`, row `p % block_size`. Here the visible blocks are gathered into a
 contiguous [B, H_kv, T, d] copy and handed to the same `attend` the model uses everywhere, with a mask
-built from absolute positions (DESIGN invariant 2). A compiled twin may read the blocks in place; it must
+built from absolute positions (ARCHITECTURE.md invariant 2). A compiled twin may read the blocks in place; it must
 equal this function.
 """
 

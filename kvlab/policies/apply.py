@@ -3,7 +3,7 @@
 Positions: kept rows are re-rotated to positions 0..n-1 (their place in the cache), never left at their
 positions in the text. Why:
 
-* the model's contract stays as it is: new positions start at num_cached_tokens (DESIGN invariant 4) and
+* the model's contract stays as it is: new positions start at num_cached_tokens (ARCHITECTURE.md invariant 4) and
   the mask is built from the cache's absolute positions, which are then plain 0..T-1 (one run of keys
   per query, which the compiled kernels take);
 * positions never pass the budget, so a model with a 256-token context can run forever (llama.cpp's

@@ -4,7 +4,7 @@ When the cache is full, keep the first `n_keep` rows, drop the oldest half of th
 kept tail moves down by the number dropped, so generation never runs out of positions (llama.cpp's
 `n_discard = (n_past - n_keep) / 2`, then `llama_kv_cache_seq_add(..., -n_discard)`).
 
-Keys are cached after RoPE (DESIGN invariant 1), so a row that moves from position p to p + delta must
+Keys are cached after RoPE (ARCHITECTURE.md invariant 1), so a row that moves from position p to p + delta must
 have its key rotated by delta. RoPE rotates each pair of channels by position * theta_i, and rotations
 compose, R(p + delta) = R(delta) R(p): rotating the stored key by delta gives the key the model would
 have computed at p + delta, exact up to rounding (tests/test_policies.py checks 1e-5 in float32, over

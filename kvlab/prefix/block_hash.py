@@ -2,7 +2,7 @@
 
 A block's K/V depend on every token before it, so its key covers its parent's key (which covers the
 parent's parent, ...) plus its own token ids and any extra keys. The root is what makes the K/V valid at
-all (DESIGN invariant 6): the model fingerprint, the compute and cache dtypes and an optional per-tenant
+all (ARCHITECTURE.md invariant 6): the model fingerprint, the compute and cache dtypes and an optional per-tenant
 `cache_salt`, so two tenants never share blocks (vLLM GHSA-rm76-4mrf-v9r8). Python's `hash()` is
 per-process and predictable; it is never used here.
 """

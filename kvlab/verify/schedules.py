@@ -1,6 +1,6 @@
 """Engine schedules for the verifier (`kvlab verify`): the paged, batched path against a full recompute.
 
-Two schedules join verify's list (DESIGN invariant 9): "paged" feeds three sequences in random chunks
+Two schedules join verify's list (ARCHITECTURE.md invariant 9): "paged" feeds three sequences in random chunks
 through one batched paged forward per step and compares every position's logits with a full forward;
 "engine" runs requests sharing a prefix through an Engine with a pool small enough to preempt, chunked
 prefill and a warm prefix cache, and compares each generated token's logprob with the full recompute's
