@@ -1,7 +1,7 @@
 """The engine loop: one thread owns the engine and steps it for every HTTP request at once.
 
-The engine is not thread-safe, so nothing else touches it. Handlers on the asyncio side send commands
-(add a group of requests, abort, run a function such as `cache_state`) through a thread-safe inbox; the
+The engine is not thread-safe, so nothing else touches it. Handlers on the asyncio side send typed commands
+(`AddGroup`, `Abort`, `Call` a function such as `cache_state`, `Wake`) through a thread-safe inbox; the
 thread applies them between steps, so an abort takes effect before the next step. Each step's outputs
 go back to the handler's asyncio queue with `call_soon_threadsafe`. Continuous batching across HTTP
 requests falls out of this: whatever was added before a step joins that step's batch.
@@ -30,6 +30,42 @@ log = logging.getLogger("kvlab.serve")
 
 IDLE_WAIT_S = 0.5          # how long the idle loop blocks on the inbox before checking for shutdown
 RETRY_AFTER_S = 1          # the Retry-After of a 429: the queue moves at engine-step speed
+
+
+# --- what the asyncio side sends the loop thread (matched by type in EngineLoop._apply) -----------------
+@dataclass(frozen=True)
+class AddGroup:
+    """Add a group's (request_id, prompt, params, cache_salt) requests, all or none; settle `done`."""
+
+    group: "RequestGroup"
+    requests: list[tuple[str, Any, Any, str | None]]
+    aio: asyncio.AbstractEventLoop
+    done: asyncio.Future
+    arrival: float
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Abort these engine requests (those already finished are skipped)."""
+
+    request_ids: list[str]
+
+
+@dataclass(frozen=True)
+class Call:
+    """Run `fn(engine)` between steps; settle `done` with its result or its exception."""
+
+    fn: Callable[[Any], Any]
+    aio: asyncio.AbstractEventLoop
+    done: asyncio.Future
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Nothing to apply: end the idle wait, so a stop, a drain or a pause is seen at once."""
+
+
+Command = AddGroup | Abort | Call | Wake
 
 
 class EngineFailure(Exception):
@@ -99,7 +135,7 @@ class EngineLoop:
         self.engine = engine
         self.metrics = metrics
         self.max_waiting = max_waiting
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}     # loop thread only
         self._lock = threading.Lock()
         self._pending_adds = 0                      # requests sent but not yet added (under _lock)
@@ -117,7 +153,7 @@ class EngineLoop:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping.set()
-        self._inbox.put(("wake",))
+        self._inbox.put(Wake())
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -130,13 +166,13 @@ class EngineLoop:
         with self._lock:
             self._draining = True
             self._drain_deadline = time.monotonic() + grace_s
-        self._inbox.put(("wake",))
+        self._inbox.put(Wake())
 
     def set_paused(self, paused: bool) -> None:
         """Stop stepping (requests in flight keep their blocks and wait) or start again, as vLLM's and
         SGLang's pause/resume do: between steps, so a paused engine holds whole steps only."""
         self._paused = paused
-        self._inbox.put(("wake",))
+        self._inbox.put(Wake())
 
     @property
     def paused(self) -> bool:
@@ -166,7 +202,7 @@ class EngineLoop:
                                headers={"Retry-After": str(RETRY_AFTER_S)})
             self._pending_adds += len(requests)
         done = aio.create_future()
-        self._inbox.put(("add", group, requests, aio, done, time.monotonic()))
+        self._inbox.put(AddGroup(group, requests, aio, done, time.monotonic()))
         try:
             await done
         except asyncio.CancelledError:   # the handler was cancelled (client gone) while the add was queued
@@ -178,11 +214,11 @@ class EngineLoop:
         """Run `fn(engine)` on the loop thread between steps and return its result."""
         aio = asyncio.get_running_loop()
         done = aio.create_future()
-        self._inbox.put(("call", fn, aio, done))
+        self._inbox.put(Call(fn, aio, done))
         return await done
 
     def abort(self, request_ids: list[str]) -> None:
-        self._inbox.put(("abort", list(request_ids)))
+        self._inbox.put(Abort(list(request_ids)))
 
     # --- the loop thread -------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -255,26 +291,26 @@ class EngineLoop:
             log.warning("no request fails a step on its own; all %d carry on", len(suspended))
         return outputs
 
-    def _apply(self, command: tuple) -> None:
-        kind = command[0]
-        if kind == "add":
-            _, group, requests, aio, done, arrival = command
-            with self._lock:
-                self._pending_adds -= len(requests)
-            error = self._add_group(group, requests, arrival)
-            _resolve(aio, done, None, error)
-        elif kind == "abort":
-            for rid in command[1]:
-                if rid in self._tracked:
-                    self._abort_quietly(rid)
-        elif kind == "call":
-            _, fn, aio, done = command
-            try:
-                result, error = fn(self.engine), None
-            except Exception as exc:  # a bad call must not end the loop
-                log.exception("engine call failed")
-                result, error = None, exc
-            _resolve(aio, done, result, error)
+    def _apply(self, command: Command) -> None:
+        match command:
+            case AddGroup(group, requests, aio, done, arrival):
+                with self._lock:
+                    self._pending_adds -= len(requests)
+                error = self._add_group(group, requests, arrival)
+                _resolve(aio, done, None, error)
+            case Abort(request_ids):
+                for rid in request_ids:
+                    if rid in self._tracked:
+                        self._abort_quietly(rid)
+            case Call(fn, aio, done):
+                try:
+                    result, error = fn(self.engine), None
+                except Exception as exc:  # a bad call must not end the loop
+                    log.exception("engine call failed")
+                    result, error = None, exc
+                _resolve(aio, done, result, error)
+            case Wake():
+                pass
 
     def _add_group(self, group: RequestGroup, requests: list, arrival: float) -> Exception | None:
         if self._draining:
