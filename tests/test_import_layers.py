@@ -2,17 +2,20 @@
 lower one, read from the source with `ast` (DESIGN: "the shape we are moving to").
 
 errors/validate -> kernels -> config/tokenizer/sampling -> cache -> model -> formats (hf, gguf) and
-policies -> loader/generation -> prefix cache -> engine -> sessions -> verify/fidelity/perplexity -> serve
--> cli and the public API (kvlab/__init__.py).
+policies -> loader/generation -> prefix cache -> shared tier and events -> engine -> sessions ->
+verify/fidelity/perplexity -> serve -> cli and the public API (kvlab/__init__.py). docs/ARCHITECTURE.md's layer
+table lists the same layers in the same order.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 
 ROOT = Path(__file__).resolve().parent.parent / "kvlab"
+ARCHITECTURE = ROOT.parent / "docs" / "ARCHITECTURE.md"
 
 # (layer, module prefixes), bottom first. A module belongs to the layer of its longest matching prefix.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
@@ -97,6 +100,43 @@ def test_hf_and_gguf_do_not_import_each_other():
     crossing = [f"{module}:{line} imports {target}" for module, line, target in graph()
                 for a, b in APART if module.startswith(a + ".") and target.startswith(b)]
     assert crossing == []
+
+
+def documented_layers(text: str) -> list[set[str]]:
+    """The folders/modules column of each row of ARCHITECTURE.md's layer table (its first table), bottom first."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| layer |"))
+    rows = []
+    for line in lines[start + 2:]:   # past the header and its rule
+        if not line.startswith("|"):
+            break
+        rows.append(set(re.findall(r"`([^`]+)`", line.split("|")[2])))
+    return rows
+
+
+def doc_name(prefix: str) -> str:
+    """kvlab.engine -> `engine/`, kvlab.loader -> `loader.py`, kvlab itself -> `__init__.py`."""
+    if prefix == "kvlab":
+        return "__init__.py"
+    path = ROOT.parent / Path(*prefix.split("."))
+    return f"{path.name}/" if path.is_dir() else f"{path.name}.py"
+
+
+def test_the_architecture_table_lists_these_layers_in_this_order():
+    assert documented_layers(ARCHITECTURE.read_text()) == [{doc_name(p) for p in prefixes} for _, prefixes in LAYERS]
+
+
+def test_every_package_of_kvlab_is_in_the_architecture_table():
+    documented = set().union(*documented_layers(ARCHITECTURE.read_text()))
+    packages = {f"{p.name}/" for p in ROOT.iterdir() if (p / "__init__.py").exists()}
+    modules = {p.name for p in ROOT.glob("*.py")}
+    assert (packages | modules) - documented == set()
+
+
+def test_the_table_reader_sees_a_missing_row():
+    """The table check can fail: a table without its tier/events row is not the layer list."""
+    text = "\n".join(line for line in ARCHITECTURE.read_text().splitlines() if "`tier/`" not in line)
+    assert documented_layers(text) != [{doc_name(p) for p in prefixes} for _, prefixes in LAYERS]
 
 
 def test_the_checker_sees_an_upward_import(tmp_path):
