@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Mapping
 
 import ml_dtypes
 import numpy as np
@@ -20,13 +21,45 @@ import kvlab
 from kvlab.config import ModelConfig
 from kvlab.errors import CheckpointError, ConfigError, ContextLengthError
 from kvlab.hf import loader
-from kvlab.hf.safetensors import load_file, read_header, save_file, save_sharded
+from kvlab.hf.safetensors import load_file, read_header, save_file
 from kvlab.model.weights import random_weights
 
 CONFIG = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                      bos_token_id=0, eos_token_id=1)
 TEXT = "Now is the winter of our discontent made glorious summer by this sun of York; façade 😀."
+
+
+def save_sharded(tensors: Mapping[str, np.ndarray], folder: str | Path, max_shard_bytes: int | None = None,
+                 metadata: Mapping[str, str] | None = None) -> list[Path]:
+    """Write `model.safetensors`, or shards plus `model.safetensors.index.json` as transformers names them.
+
+    Tensors go to shards in name order; a shard is closed once it would exceed `max_shard_bytes`.
+    """
+    folder = Path(folder)
+    names = sorted(tensors)
+    total = sum(np.asarray(tensors[n]).nbytes for n in names)
+    if max_shard_bytes is None or total <= max_shard_bytes:
+        save_file(tensors, folder / "model.safetensors", metadata)
+        return [folder / "model.safetensors"]
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        nbytes = np.asarray(tensors[name]).nbytes
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    paths, weight_map = [], {}
+    for i, group in enumerate(groups, 1):
+        path = folder / f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: tensors[n] for n in group}, path, metadata)
+        weight_map.update({n: path.name for n in group})
+        paths.append(path)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return paths
 
 
 def write_tokenizer(folder: Path, vocab_size: int = 300, **tokenizer_config) -> None:

@@ -16,8 +16,8 @@ import kvlab
 from kvlab import Engine, SamplingParams
 from kvlab.errors import InputError
 from kvlab.generation.generate import stream_generate
-from kvlab.sampling.grammar import (GRAMMAR_CACHE, GrammarSpec, allocate_bitmask, allowed_tokens,
-                                    compile_grammar, grammar_vocab, mask_logits)
+from kvlab.sampling.grammar import (GRAMMAR_CACHE, GrammarSpec, allocate_bitmask, compile_grammar, grammar_vocab,
+                                    mask_logits)
 from kvlab.tokenizer import ByteTokenizer
 
 # The schemas of the issue's goal: enums, nested objects, arrays with bounds, integer ranges, anyOf.
@@ -51,6 +51,12 @@ def shipped():
 def vocab(shipped):
     model, tokenizer = shipped
     return grammar_vocab(tokenizer, model.config.vocab_size, tokenizer.eos_token_ids)
+
+
+def allowed_tokens(bitmask_row: np.ndarray, vocab_size: int) -> np.ndarray:
+    """A mask row as [vocab] bools."""
+    return np.unpackbits(np.ascontiguousarray(bitmask_row).view(np.uint8), bitorder="little")[:vocab_size] \
+        .astype(bool)
 
 
 def compiled(vocab, schema):

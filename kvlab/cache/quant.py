@@ -129,9 +129,3 @@ def quantize_fp8(x: np.ndarray, name: str) -> np.ndarray:
     dtype = FP8_DTYPES[name]
     big = float(ml_dtypes.finfo(dtype).max)
     return np.clip(x, -big, big).astype(dtype)
-
-
-def fp8_error_bound(x: np.ndarray, name: str) -> np.ndarray:
-    """Largest |x - fp8(x)| for values within range: half an ulp, relative for normals, absolute below."""
-    info = ml_dtypes.finfo(FP8_DTYPES[name])
-    return np.maximum(np.abs(x) * float(info.eps) / 2, float(info.smallest_subnormal) / 2)

@@ -193,35 +193,3 @@ def save_file(tensors: Mapping[str, np.ndarray], path: str | Path,
         for array in arrays:
             f.write(array.reshape(-1).view(np.uint8))
     os.replace(tmp, path)
-
-
-def save_sharded(tensors: Mapping[str, np.ndarray], folder: str | Path, max_shard_bytes: int | None = None,
-                 metadata: Mapping[str, str] | None = None) -> list[Path]:
-    """Write `model.safetensors`, or shards plus `model.safetensors.index.json` as transformers names them.
-
-    Tensors go to shards in name order; a shard is closed once it would exceed `max_shard_bytes`.
-    """
-    folder = Path(folder)
-    names = sorted(tensors)
-    total = sum(np.asarray(tensors[n]).nbytes for n in names)
-    if max_shard_bytes is None or total <= max_shard_bytes:
-        save_file(tensors, folder / "model.safetensors", metadata)
-        return [folder / "model.safetensors"]
-    groups: list[list[str]] = [[]]
-    size = 0
-    for name in names:
-        nbytes = np.asarray(tensors[name]).nbytes
-        if groups[-1] and size + nbytes > max_shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += nbytes
-    paths, weight_map = [], {}
-    for i, group in enumerate(groups, 1):
-        path = folder / f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        save_file({n: tensors[n] for n in group}, path, metadata)
-        weight_map.update({n: path.name for n in group})
-        paths.append(path)
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return paths

@@ -326,12 +326,6 @@ def allocate_bitmask(rows: int, vocab_size: int) -> np.ndarray:
     return np.full((rows, (vocab_size + 31) // 32), -1, dtype=np.int32)
 
 
-def allowed_tokens(bitmask_row: np.ndarray, vocab_size: int) -> np.ndarray:
-    """A mask row as [vocab] bools."""
-    return np.unpackbits(np.ascontiguousarray(bitmask_row).view(np.uint8), bitorder="little")[:vocab_size] \
-        .astype(bool)
-
-
 _EXECUTOR: Any = None
 
 
