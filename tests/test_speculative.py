@@ -48,6 +48,7 @@ def run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) 
     ('{"method": "draft_model", "num_speculative_tokens": 2, "model": "/no/such/model"}', "does not exist"),
     ('{"method": "draft_model", "num_speculative_tokens": 2}', "model"),
     ('[1, 2]', "JSON object"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}', "disable_by_batch_size"),
 ])
 def test_a_bad_speculative_config_is_refused_naming_the_field(spec, field):
     with pytest.raises(ConfigError, match=field):
@@ -59,6 +60,29 @@ def test_the_config_reads_vllm_spelling():
     assert (config.method, config.num_speculative_tokens, config.prompt_lookup_max,
             config.prompt_lookup_min) == ("ngram", 4, 3, 1)
     assert SpeculativeConfig.parse(None) is None
+    assert config.disable_by_batch_size is None  # vLLM's default: speculate at every batch size
+    assert SpeculativeConfig.parse({**NGRAM, "disable_by_batch_size": 4}).disable_by_batch_size == 4
+
+
+def test_no_guesses_while_disable_by_batch_size_sequences_run(monkeypatch):
+    """Three requests of different lengths, limit 2: no sequence gets a guess while two or more run, the last
+    one alone does; the text is plain decoding's either way."""
+    import kvlab.engine.speculative as speculative
+
+    running_when_guessing = []
+    propose = speculative.Speculator.propose
+
+    def watched(self, seq):
+        running_when_guessing.append(len(engine.scheduler.running))
+        propose(self, seq)
+
+    monkeypatch.setattr(speculative.Speculator, "propose", watched)
+    prompts = [repetitive(i, 30) for i in range(3)]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (4, 8, 40)]
+    engine = Engine(MODEL, speculative_config={**NGRAM, "disable_by_batch_size": 2})
+    assert run(engine, prompts, params) == run(Engine(MODEL), prompts, params)
+    assert running_when_guessing and max(running_when_guessing) == 1
+    assert engine.stats()["spec_decode_num_drafts"] > 0  # the last request, alone, speculated
 
 
 # --- the pieces ---------------------------------------------------------------------------------------------
@@ -208,6 +232,12 @@ def test_a_draft_model_with_the_targets_tokenizer_gives_the_same_text(tmp_path):
     assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0  # same weights
     got = [o.outputs[0].token_ids for o in engine.generate([prompt, prompt], params)]
     assert [greedy] + got[1:] == got == plain  # the sampled one's guesses (greedy) are often rejected
+    # the draft sits out the steps where two run, then catches up on the tokens it missed
+    short = [SamplingParams(max_tokens=5, ignore_eos=True), params[0]]
+    paused = Engine(model, tokenizer, speculative_config={"method": "draft_model", "model": str(path),
+                                                          "num_speculative_tokens": 3, "disable_by_batch_size": 2})
+    assert [o.outputs[0].token_ids for o in paused.generate([prompt, prompt], short)][1] == plain[0]
+    assert paused.stats()["spec_decode_num_accepted_tokens"] == paused.stats()["spec_decode_num_draft_tokens"] > 0
 
 
 def test_a_draft_model_with_another_tokenizer_is_refused_naming_it(tmp_path):

@@ -20,11 +20,12 @@ from kvlab.cache.paged import BlockPool
 from kvlab.engine.config import DEFAULT_MAX_KV_BYTES, EngineConfig  # noqa: F401 (DEFAULT_MAX_KV_BYTES: API)
 from kvlab.engine.introspection import StepCounters, cache_state, engine_stats
 from kvlab.engine.kv_bounds import KVBounds
+from kvlab.engine.kv_groups import CacheGroup
 from kvlab.engine.model_runner import ModelRunner
 from kvlab.engine.request import Request, RequestOutput, Sequence, Status
 from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.speculative import SpeculativeConfig, Speculator, make_draft
-from kvlab.errors import ContextLengthError, InputError
+from kvlab.errors import ConfigError, ContextLengthError, InputError
 from kvlab.model.llama import LlamaModel
 from kvlab.prefix.block_hash import root_key
 from kvlab.prefix.prefix_cache import PrefixCache
@@ -58,9 +59,22 @@ class Engine:
         self.tokenizer = tokenizer
         self.max_model_len = config.max_model_len
         self.kv_cache_dtype = config.kv_cache_dtype
-        self.block_pool = BlockPool(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, config.kv_cache_dtype,
-                                    config.block_size, config.num_blocks, compute_dtype=model.dtype)
-        self.prefix_cache = PrefixCache(self.block_pool, config.enable_prefix_caching)
+        if config.hybrid and (kv_tiers or kv_events_config is not None):
+            raise ConfigError("a KV tier and KV events publish one block table per request, but this model's "
+                              "layer types keep blocks of their own (KV-cache groups: "
+                              f"{', '.join(str(g.window or 'full') for g in config.groups)}): leave kv_tiers "
+                              "and kv_events_config unset")
+        # one pool, prefix cache and bounds per KV-cache group (kvlab/engine/kv_groups.py); group 0's are
+        # block_pool, prefix_cache and bounds
+        self.kv_groups: list[CacheGroup] = []
+        for index, layout in enumerate(config.groups):
+            pool = BlockPool(len(layout.layers), c.num_key_value_heads, c.head_dim, config.kv_cache_dtype,
+                             config.block_size, layout.num_blocks, compute_dtype=model.dtype)
+            cache = PrefixCache(pool, config.enable_prefix_caching)
+            bounds = KVBounds(pool, cache, model.inv_freq, config.kv_policy if index == 0 else None,
+                              layout.window, config.max_num_batched_tokens, group=index)
+            self.kv_groups.append(CacheGroup(index, layout.window, layout.layers, pool, cache, bounds))
+        self.block_pool, self.prefix_cache = self.kv_groups[0].pool, self.kv_groups[0].prefix_cache
         # the KV tier and vLLM-format KV events listen to the prefix cache (kvlab/tier/listener.py)
         self.cache_listener = build_listeners(
             self.block_pool, root_key(model.fingerprint, model.dtype, config.kv_cache_dtype), kv_tiers,
@@ -69,11 +83,11 @@ class Engine:
             self.prefix_cache.listeners.append(self.cache_listener)
         self.counters = StepCounters()
         self.kv_policy = config.kv_policy
-        self.bounds = KVBounds(self.block_pool, self.prefix_cache, model.inv_freq, config.kv_policy,
-                               c.sliding_window, config.max_num_batched_tokens)
+        self.bounds = self.kv_groups[0].bounds
         self.scheduler = Scheduler(self.block_pool, self.prefix_cache, config.max_num_seqs,
-                                   config.max_num_batched_tokens, self.counters, self.bounds)
-        self.runner = ModelRunner(model, self.block_pool, self.prefix_cache, self.counters, self.bounds)
+                                   config.max_num_batched_tokens, self.counters, self.bounds, self.kv_groups)
+        self.runner = ModelRunner(model, self.block_pool, self.prefix_cache, self.counters, self.bounds,
+                                  self.kv_groups)
         self.speculator = None if spec_config is None else Speculator(
             spec_config, self.bounds, config.max_model_len,
             make_draft(spec_config, model, tokenizer) if spec_config.method == "draft_model" else None)
@@ -108,16 +122,16 @@ class Engine:
             raise ContextLengthError(
                 f"{len(ids)} prompt tokens + {wanted} new tokens exceed max_model_len "
                 f"{self.max_model_len}")
-        pool = self.block_pool
-        need = self.bounds.max_blocks(len(ids) + 1)
-        if need > pool.num_blocks:
-            raise InputError(f"a prompt of {len(ids)} tokens needs {need} blocks of "
-                             f"{pool.block_size} but the pool holds only {pool.num_blocks}: it could never run")
+        for group in self.kv_groups:
+            pool, need = group.pool, group.bounds.max_blocks(len(ids) + 1)
+            if need > pool.num_blocks:
+                raise InputError(f"a prompt of {len(ids)} tokens needs {need} blocks of "
+                                 f"{pool.block_size} but the pool holds only {pool.num_blocks}: it could never run")
         max_tokens = params.max_tokens if params.max_tokens is not None else \
             self.max_model_len if self.kv_policy is not None else self.max_model_len - len(ids)
         root = root_key(self.model.fingerprint, self.model.dtype, self.kv_cache_dtype, cache_salt)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        request = Request(request_id, ids, params, root, max_tokens, stop_ids)
+        request = Request(request_id, ids, params, root, max_tokens, stop_ids, num_kv_groups=len(self.kv_groups))
         if self.tokenizer is not None:
             for seq in request.seqs:
                 seq.decoder = self.tokenizer.stream_decoder(ids)
@@ -188,8 +202,7 @@ class Engine:
         """Schedule, run one batched forward, sample; the outputs of requests that progressed."""
         progressed: dict[str, Request] = {}
         if self.speculator is not None:
-            for seq in self.scheduler.running:
-                self.speculator.propose(seq)
+            self.speculator.propose_all(list(self.scheduler.running))
         plan = self.scheduler.schedule()
         for seq in plan.too_long:
             self.scheduler.finish(seq, "length")
@@ -263,9 +276,10 @@ class Engine:
     # --- inspection ----------------------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block; refused (False, nothing done) while any block is in use."""
-        if self.block_pool.num_used_blocks:
+        if any(group.pool.num_used_blocks for group in self.kv_groups):
             return False
-        self.prefix_cache.evict_all()
+        for group in self.kv_groups:
+            group.prefix_cache.evict_all()
         if self.cache_listener is not None:  # AllBlocksCleared
             self.cache_listener.on_cleared()
         return True

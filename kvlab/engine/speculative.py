@@ -22,7 +22,7 @@ Proposers (vLLM's `speculative_config` spelling):
     are the guesses. Free when nothing matches (no guesses, no extra rows).
   * "draft_model": a smaller model with the same tokenizer runs greedily ahead of the target on its own
     contiguous cache (kvlab/engine/draft.py).
-Adaptive: each sequence's guess count halves after a verification that kept nothing and grows back by one
+Adaptive: no guesses at all while `disable_by_batch_size` or more sequences run; each sequence's guess count halves after a verification that kept nothing and grows back by one
 after one that kept everything, so text that does not repeat its input pays for few wasted rows.
 """
 
@@ -48,6 +48,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     model: str | None = None
+    disable_by_batch_size: int | None = None  # at this many running sequences or more: no guesses that step
 
     @classmethod
     def parse(cls, spec: Any) -> "SpeculativeConfig | None":
@@ -63,7 +64,8 @@ class SpeculativeConfig:
                     from None
         if not isinstance(spec, dict):
             raise ConfigError(f"speculative_config must be a JSON object, got {spec!r}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
+                 "disable_by_batch_size"}
         unknown = sorted(set(spec) - known)
         if unknown:
             raise ConfigError(f"speculative_config: unknown field {unknown[0]!r} (kvlab reads "
@@ -76,6 +78,8 @@ class SpeculativeConfig:
         low = _int_field(spec, "prompt_lookup_min", min(2, high), low=1)
         if low > high:
             raise ConfigError(f"speculative_config.prompt_lookup_min {low} exceeds prompt_lookup_max {high}")
+        off = None if spec.get("disable_by_batch_size") is None else _int_field(spec, "disable_by_batch_size", None,
+                                                                                 low=1)
         model = spec.get("model")
         if method == "draft_model":
             if not isinstance(model, str) or not model:
@@ -86,7 +90,7 @@ class SpeculativeConfig:
                 raise ConfigError(f"speculative_config.model: {model} does not exist")
         elif model is not None:
             raise ConfigError("speculative_config.model is only read by the draft_model method")
-        return cls(method, k, high, low, model)
+        return cls(method, k, high, low, model, off)
 
 
 def _int_field(spec: dict, name: str, default: int | None, low: int) -> int:
@@ -161,6 +165,20 @@ class Speculator:
                  draft: Any = None) -> None:
         self.config, self.bounds, self.max_model_len = config, bounds, max_model_len
         self.draft = draft  # a DraftProposer for method "draft_model"
+
+    def propose_all(self, running: list[Any]) -> None:
+        """This step's guesses for every running sequence, or none at all when `disable_by_batch_size`
+        sequences or more are running (vLLM's rule): a step shared by many sequences is bound by compute,
+        not by reading the weights, so each verified row costs about what a decoded row costs and every
+        rejected guess is a loss (bench/bench_speculative.py, batch 8). A sequence that skips a step loses
+        nothing: its adaptive count is kept, and a draft model catches up on the tokens it missed."""
+        limit = self.config.disable_by_batch_size
+        if limit is not None and len(running) >= limit:
+            for seq in running:
+                seq.draft = []
+            return
+        for seq in running:
+            self.propose(seq)
 
     def propose(self, seq: Any) -> None:
         """Set `seq.draft` for this step: [] unless it is decoding and a guess fits (its token limit, the
