@@ -158,7 +158,7 @@ def test_bad_stdin_lines_in_chat_keep_the_conversation(capsys, monkeypatch):
     code, out, err = run_cli(["chat", "--tiny", "-n", "3", "--temperature", "0"], capsys, monkeypatch, script)
     assert code == 0 and "Traceback" not in err
     assert err.count("not valid UTF-8") == 3
-    assert err.count("[reused") == 2  # both good messages answered, history kept across the bad lines
+    assert err.count("[prompt ") == 2  # both good messages answered, history kept across the bad lines
     TALLY["clean"] += 3
 
 
@@ -167,7 +167,7 @@ def test_a_huge_line_in_chat_is_refused_and_the_chat_goes_on(capsys, monkeypatch
     script = b"hello\n" + b"to be or not " * 50_000 + b"\nthere\n"
     code, out, err = run_cli(["chat", "--tiny", "-n", "3", "--temperature", "0"], capsys, monkeypatch, script)
     assert code == 0 and "Traceback" not in err
-    assert "does not fit" in err and err.count("[reused") == 2
+    assert "does not fit" in err and err.count("[prompt ") == 2
     TALLY["clean"] += 1
 
 

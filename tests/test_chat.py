@@ -17,12 +17,13 @@ from kvlab.cli import build_parser
 from kvlab.cli.chat import Chat
 from kvlab.sessions.conversation import Conversation
 
-STATS = re.compile(r"\[reused (\d+) · computed (\d+) · cache (\d+) tok .+ · "
+STATS = re.compile(r"\[prompt (\d+) tokens \((\d+) cached\) · cache (\d+) tok .+ · "
                    r"prefill [\d.]+ ms · decode .+\]")
 
 
 def stats(stderr: str) -> list[tuple[int, int, int]]:
-    return [tuple(map(int, m.groups())) for m in STATS.finditer(stderr)]
+    """(reused, computed, cache tokens) of each turn's stats line `[prompt N tokens (M cached) · cache T tok ...`."""
+    return [(int(m[2]), int(m[1]) - int(m[2]), int(m[3])) for m in STATS.finditer(stderr)]
 
 
 def run_chat(lines: list[str], *flags: str) -> subprocess.CompletedProcess:
@@ -42,6 +43,8 @@ def test_piped_chat_reuses_the_cache_across_turns_and_restores_it(tmp_path: Path
     (r1, c1, n1), (r2, c2, n2), (r3, c3, n3), (r4, c4, n4), (r5, c5, n5), (r6, c6, n6) = rows
     assert (r1, c1) == (0, 1 + len("Hello there"))           # <bos> + bytes
     assert (r2, c2) == (n1, len("How are you?"))             # the whole history was reused
+    assert f"[prompt {n1 + len('How are you?')} tokens ({n1} cached) · " in result.stderr  # as the line says it
+    assert f"[prompt {c1} tokens (0 cached) · " in result.stderr                            # the first turn
     assert (r3, c3) == (n1, len("What now?"))                # after /undo: cropped back to turn 1
     assert (r4, c4) == (n1 + len("What "), len("then?"))     # /edit: kept the unchanged "What "
     assert (r5, c5) == (0, 1 + len("Fresh start"))           # /reset
@@ -189,7 +192,7 @@ def test_interactive_chat_on_a_terminal(tmp_path: Path) -> None:
             process.kill()
         os.close(main)
     text = seen.decode("utf-8", "replace")
-    assert "kvlab chat" in text and "/help" in text and "reused 0 · computed 6" in text
+    assert "kvlab chat" in text and "/help" in text and "prompt 6 tokens (0 cached)" in text
     assert "hello" in history.read_text()
 
 

@@ -138,7 +138,7 @@ def test_chat_warms_up_says_so_and_keeps_compiles_out_of_its_figures(monkeypatch
     assert main(["chat", "--tiny", "-n", "3", "--temperature", "0"]) == 0
     err = capsys.readouterr().err
     assert warmed == [None] and err.count(NOTICE) == 1
-    line = re.search(r"\[reused .* prefill ([\d.]+) ms · decode .* · kernels compiled ([\d.]+) s, not counted\]",
+    line = re.search(r"\[prompt .* prefill ([\d.]+) ms · decode .* · kernels compiled ([\d.]+) s, not counted\]",
                      err)
     assert line, err
     assert err.index(NOTICE) < line.start()  # said before the first reply, not after it

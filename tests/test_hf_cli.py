@@ -45,7 +45,7 @@ def test_greedy_text_on_stdout_and_one_stats_line_on_stderr(folder):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1
     stats = lines[0]
-    assert re.search(rf"prompt {len(prompt)} tokens \| prefill [\d.]+ ms \([\d]+ tok/s\) \| decode 12 tokens, "
+    assert re.search(rf"prompt {len(prompt)} tokens \(0 cached\) \| prefill [\d.]+ ms \([\d]+ tok/s\) \| decode 12 tokens, "
                      r"[\d.]+ ms/token \([\d.]+ tok/s\) \| cache \d+ tokens, [\d.]+ KiB float32 \| stop: max tokens",
                      stats), stats
     assert f"cache {len(prompt) + 11} tokens" in stats  # the last chosen token is never fed back

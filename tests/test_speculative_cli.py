@@ -97,7 +97,7 @@ def test_chat_replies_the_same_with_speculation_and_reuses_the_history():
         spec = kvlab("chat", "-n", "40", *sampling, "--speculative-config", NGRAM, stdin=lines)
         assert plain.returncode == 0 == spec.returncode, spec.stderr
         assert spec.stdout == plain.stdout and spec.stdout.count("\n") >= 3
-        notes = [line for line in spec.stderr.splitlines() if line.startswith("[reused")]
+        notes = [line for line in spec.stderr.splitlines() if line.startswith("[prompt ")]
         assert len(notes) == 3 and len(spec_counts(spec.stderr)) == 3
-        reused = [int(re.match(r"\[reused (\d+)", note).group(1)) for note in notes]
+        reused = [int(re.match(r"\[prompt \d+ tokens \((\d+) cached\)", note).group(1)) for note in notes]
         assert reused[0] == 0 and reused[1] > 0 and reused[2] > reused[1]  # the history's blocks, from the cache

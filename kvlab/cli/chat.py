@@ -2,8 +2,8 @@
 
 Every turn the whole conversation is rendered to token ids (the tokenizer's chat template where it has one,
 else plain continuation) and fed to a Session, which computes only what is not cached yet. Replies go to
-stdout; after each one, a line of stats goes to stderr: rows reused and computed, the cache's tokens and
-bytes, prefill time and decode speed. Works interactively (prompt, readline history) and piped (one message
+stdout; after each one, a line of stats goes to stderr: `prompt N tokens (M cached)`, the cache's tokens
+and bytes, prefill time and decode speed. Works interactively (prompt, readline history) and piped (one message
 or command per input line, no prompt), so it can be scripted and tested.
 """
 
@@ -16,7 +16,7 @@ from typing import Any, Iterator, TextIO
 
 from kvlab.cli.checks import check_sampling_flags, draw_seed, drawn_seed_note
 from kvlab.cli.engine_stream import add_speculative_flag, engine_chat, speculative_config
-from kvlab.cli.fmt import human_bytes
+from kvlab.cli.fmt import human_bytes, prompt_tokens_text
 from kvlab.cli.model_flags import add_activations_flag
 from kvlab.cli.sampling_flags import (add_grammar_flags, add_sampling_flags, compiled_grammar, grammar_spec,
                                       sampling_settings)
@@ -326,7 +326,7 @@ class Chat:
         self.conversation.add("assistant", self.tokenizer.decode(new), new)
         report = self.session.memory_report()
         speed = f"{len(new) / seconds:.1f} tok/s" if seconds > 0 and new else "-"
-        self.note(f"[reused {turn.reused} · computed {turn.computed} · cache {report.num_tokens} tok "
+        self.note(f"[{prompt_tokens_text(turn.tokens, turn.reused)} · cache {report.num_tokens} tok "
                   f"{human_bytes(report.payload_bytes)} · prefill {prefill * 1e3:.1f} ms · decode {speed}"
                   + (f" · kernels compiled {compiles.seconds:.1f} s, not counted" if compiles.count else "") + "]")
         return True

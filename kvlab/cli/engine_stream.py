@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from kvlab.cli.checks import drawn_seed_note
-from kvlab.cli.fmt import human_bytes
+from kvlab.cli.fmt import human_bytes, prompt_tokens_text
 from kvlab.engine.engine import Engine
 from kvlab.engine.request import RequestOutput
 from kvlab.engine.speculative import SpeculativeConfig
@@ -267,7 +267,7 @@ def engine_chat(model: Any, tokenizer: Any, args: argparse.Namespace, spec: Spec
             speed = f"{(len(new) - 1) / decode:.1f} tok/s" if decode > 0 else "-"
             tokens = len(ids) + max(len(new) - 1, 0)
             pool = self.engine.block_pool
-            self.note(f"[reused {reused} · computed {len(ids) - reused} · cache {tokens} tok "
+            self.note(f"[{prompt_tokens_text(len(ids), reused)} · cache {tokens} tok "
                       f"{human_bytes(tokens * pool.bytes_per_block // pool.block_size)} · prefill "
                       f"{prefill * 1e3:.1f} ms · decode {speed} · {(spec_counts(self.engine) - before).text()}]")
             return True

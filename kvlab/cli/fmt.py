@@ -18,6 +18,12 @@ def human_bytes(n: float) -> str:
     return f"{n} B"  # unreachable
 
 
+def prompt_tokens_text(total: int, cached: int) -> str:
+    """`prompt N tokens (M cached)`: generate's and chat's figure for the prompt, whatever cache the M tokens
+    came from (a --prompt-cache file, chat's reused history, the engine's prefix cache), 0 included."""
+    return f"prompt {total} tokens ({cached} cached)"
+
+
 def read_stdin() -> str:
     """All of stdin as UTF-8 text; binary or non-UTF-8 input is an InputError naming the offset."""
     buffer = getattr(sys.stdin, "buffer", None)

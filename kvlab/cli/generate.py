@@ -19,7 +19,7 @@ from kvlab.cache.dtypes import KV_CACHE_DTYPES
 from kvlab.cache.kv_cache import KVCache
 from kvlab.cli.checks import check_sampling_flags, draw_seed, drawn_seed_note
 from kvlab.cli.engine_stream import add_speculative_flag, generate_with_engine, speculative_config
-from kvlab.cli.fmt import human_bytes, read_stdin
+from kvlab.cli.fmt import human_bytes, prompt_tokens_text, read_stdin
 from kvlab.cli.model_flags import add_activations_flag
 from kvlab.cli.sampling_flags import (add_grammar_flags, add_sampling_flags, compiled_grammar, grammar_spec,
                                       sampling_settings)
@@ -95,7 +95,7 @@ class GenerationStats:
         decode = (f"decode {self.new_tokens} tokens, {1e3 * self.decode_seconds / steps:.1f} ms/token "
                   f"({steps / self.decode_seconds:.1f} tok/s)" if steps and self.decode_seconds > 0
                   else f"decode {self.new_tokens} tokens")
-        return (f"prompt {self.prompt_tokens} tokens" + (f" ({reused} cached)" if reused else "")
+        return (prompt_tokens_text(self.prompt_tokens, reused)
                 + f" | prefill {1e3 * self.prefill_seconds:.1f} ms ({prefill_rate:.0f} tok/s) | {decode} | "
                 f"cache {self.cache_tokens} tokens, {human_bytes(self.cache_bytes)} {self.cache_dtype} | "
                 f"stop: {self.stop_reason}"
