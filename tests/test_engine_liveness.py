@@ -19,6 +19,10 @@ from kvlab.policies import AttentionSinks, ContextShift, SlidingWindow
 
 MODEL = TinyLlama(seed=5)
 SLIDING = {window: TinyLlama(seed=2, sliding_window=window) for window in (2, 3, 5, 8, 12)}
+# hybrid (Gemma-style sliding layers beside a full one): a KV-cache group, and a pool, per layer type
+HYBRID = {window: TinyLlama(seed=2, num_hidden_layers=3, interleaved_sliding_window=window,
+                            layer_types=("sliding_attention", "full_attention", "sliding_attention"))
+          for window in (1, 2, 3, 5, 8)}
 
 
 def run_bounded(engine: Engine, max_steps: int) -> int:
@@ -29,9 +33,9 @@ def run_bounded(engine: Engine, max_steps: int) -> int:
                                    f"{engine.scheduler.num_preemptions} preemptions")
         engine.step()
         steps += 1
-    pool = engine.block_pool
-    pool.check_invariants()
-    assert pool.num_used_blocks == 0
+    for group in engine.kv_groups:
+        group.pool.check_invariants()
+        assert group.pool.num_used_blocks == 0
     return steps
 
 
@@ -47,7 +51,8 @@ def workloads(draw):
     """A model, an engine configuration (any pool, tight ones included) and a few requests, some sharing a
     prefix, some with n > 1, some sent again once the first round finished (prefix-cache hits)."""
     if draw(st.booleans()) and draw(st.booleans()):
-        model, policy = SLIDING[draw(st.sampled_from(sorted(SLIDING)))], None
+        models = SLIDING if draw(st.booleans()) else HYBRID
+        model, policy = models[draw(st.sampled_from(sorted(models)))], None
     else:
         model, policy = MODEL, draw(policies())
     settings_ = dict(block_size=draw(st.sampled_from([1, 2, 4, 8, 16])), num_blocks=draw(st.integers(1, 12)),
@@ -76,6 +81,11 @@ def workloads(draw):
                       enable_prefix_caching=True, kv_policy=ContextShift(3, 14)),
           [list(range(3, 10)), list(range(3, 37)), list(range(3, 37))],
           [SamplingParams(max_tokens=8, n=2, ignore_eos=True)] * 3, True))
+# a hybrid model in a tight pool: forks share the full group's blocks, so more sequences run than the sliding
+# pool has seats for and the sliding group preempts too
+@example((HYBRID[3], dict(block_size=2, num_blocks=3, max_num_batched_tokens=5, max_num_seqs=4,
+                          enable_prefix_caching=True, kv_policy=None),
+          [list(range(3, 7)), list(range(3, 9))], [SamplingParams(max_tokens=6, n=2, ignore_eos=True)] * 2, True))
 def test_every_accepted_configuration_finishes_every_admitted_request(workload):
     model, settings_, prompts, params, again = workload
     try:

@@ -5,6 +5,13 @@ enable_prefix_caching, kv_cache_dtype, max_model_len) and kvlab's `kv_policy` (a
 engine: kvlab/engine/kv_bounds.py). The pool's size comes from kvlab/cache/memory.py,
 which also sizes `kvlab memory`, so the bytes a budget buys are the bytes the pool allocates (int8/int4
 scales included), as a whole number of blocks.
+
+A hybrid model (layers of different windows: Gemma 2/3) has one pool per KV-cache group
+(kvlab/engine/kv_groups.py). A sliding group never holds more than `window_max_blocks` blocks a sequence, so
+its pool is sized for that many per sequence that can run at once (max_num_seqs, or fewer when group 0 has
+fewer blocks than that: every running sequence holds one of them); group 0 (the full-attention layers) gets
+`num_blocks`, or the rest of the byte budget. So on a hybrid model a block count means blocks of the
+full-attention layers only (block_size tokens of each of them), not of every layer.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from kvlab import validate
 from kvlab.cache.dtypes import resolve_kv_dtype
 from kvlab.cache.memory import kv_bytes_per_block
 from kvlab.cache.quant import QuantFormat
+from kvlab.engine.kv_bounds import window_max_blocks
+from kvlab.engine.kv_groups import group_window, layer_groups
 from kvlab.errors import ConfigError, InputError
 from kvlab.model.llama import LlamaModel
 from kvlab.policies.base import Policy
@@ -30,6 +39,17 @@ from kvlab.policies.window import SlidingWindow
 ENGINE_POLICIES = (SlidingWindow, AttentionSinks, ContextShift)  # a kept prefix plus a tail (kv_bounds.py)
 
 DEFAULT_MAX_KV_BYTES = 1 << 30  # the default pool (max_num_seqs full-context sequences) is capped at 1 GiB
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """One KV-cache group's pool: its layers' window (None: full attention), the layers, blocks and bytes a
+    block (block_size tokens of each of its layers)."""
+
+    window: int | None
+    layers: tuple[int, ...]
+    num_blocks: int
+    bytes_per_block: int
 
 
 @dataclass(frozen=True)
@@ -45,6 +65,12 @@ class EngineConfig:
     kv_cache_dtype: np.dtype | QuantFormat
     bytes_per_block: int
     kv_policy: Policy | None = None  # window / sinks / shift; stateless, so shared by every sequence
+    groups: tuple[GroupLayout, ...] = ()  # every KV-cache group's pool; groups[0] is num_blocks x bytes_per_block
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the layers form more than one KV-cache group (a pool each)."""
+        return len(self.groups) > 1
 
     @classmethod
     def create(cls, model: Any, *, block_size: int = 16, num_blocks: int | None = None,
@@ -74,9 +100,16 @@ class EngineConfig:
             kv_dtype = resolve_kv_dtype(kv_cache_dtype, model.dtype)
         except InputError as exc:
             raise ConfigError(str(exc)) from None
-        bytes_per_block = kv_bytes_per_block(config, block_size, kv_dtype)
+        groups = layer_groups(config)
+        sizes = [int(len(g.layers) * g.spec.bytes_per_token(kv_dtype) * block_size) for g in groups]
+        bytes_per_block = sizes[0] if len(groups) > 1 else kv_bytes_per_block(config, block_size, kv_dtype)
+        # a sliding group's blocks per sequence at most, and their bytes (per seat: a sequence running)
+        per_seq = [window_max_blocks(max_model_len, block_size, group_window(g), max_num_batched_tokens)
+                   for g in groups[1:]]
+        seat_bytes = sum(n * size for n, size in zip(per_seq, sizes[1:]))
         if num_blocks is not None and kv_cache_memory is not None:
             raise ConfigError("give num_blocks or kv_cache_memory, not both")
+        budget = None
         if num_blocks is not None:
             num_blocks = validate.positive_int(num_blocks, "num_blocks", ConfigError)
         elif kv_cache_memory is not None:
@@ -86,21 +119,38 @@ class EngineConfig:
                                                                                    "kv_cache_memory")
             except InputError as exc:
                 raise ConfigError(f"kv_cache_memory: {exc}") from None
-            num_blocks = budget // bytes_per_block
+        else:
+            num_blocks = max(1, max_num_seqs * math.ceil(max_model_len / block_size))
+            if num_blocks * bytes_per_block + max_num_seqs * seat_bytes > DEFAULT_MAX_KV_BYTES:
+                num_blocks, budget = None, DEFAULT_MAX_KV_BYTES
+        if budget is not None:  # the sliding groups' seats first, the rest to group 0
+            num_blocks = (budget - max_num_seqs * seat_bytes) // bytes_per_block
+            if num_blocks < max_num_seqs:  # fewer than max_num_seqs can run: each takes a block and a seat
+                num_blocks = budget // (bytes_per_block + seat_bytes)
+            if num_blocks < 1 and kv_cache_memory is None:
+                num_blocks = 1
             if num_blocks < 1:
                 raise ConfigError(f"kv_cache_memory {kv_cache_memory!r} holds no block of "
-                                  f"{bytes_per_block} bytes")
-        else:
-            num_blocks = max(1, min(max_num_seqs * math.ceil(max_model_len / block_size),
-                                    DEFAULT_MAX_KV_BYTES // bytes_per_block))
+                                  f"{bytes_per_block + seat_bytes} bytes" + (
+                                      f" (a block of the full-attention layers and a sequence's sliding-window "
+                                      f"blocks)" if len(groups) > 1 else ""))
+        seats = min(max_num_seqs, num_blocks)
+        layouts = (GroupLayout(group_window(groups[0]), groups[0].layers, num_blocks, bytes_per_block),) + tuple(
+            GroupLayout(group_window(g), g.layers, n * seats, size) for g, n, size in zip(groups[1:], per_seq,
+                                                                                       sizes[1:]))
         policy = _engine_policy(kv_policy, config, max_model_len)
+        if len(groups) > 1 and policy is not None:
+            raise ConfigError(f"kv_policy {policy} on a model whose layers have different windows "
+                              f"({', '.join(str(g.window or 'full') for g in layouts)}): the engine keeps each "
+                              "layer type's own blocks (KV-cache groups) and runs no policy over them; leave "
+                              "kv_policy unset")
         if policy is not None:
             need = math.ceil(policy.budget / block_size) + 1 + math.ceil(_prefix_rows(policy) / block_size)
             if need > num_blocks:
                 raise ConfigError(f"kv_policy {policy} holds up to {need} blocks of {block_size} tokens at "
                                   f"once but the pool has {num_blocks}: give a smaller policy or more memory")
         return cls(block_size, num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len,
-                   enable_prefix_caching, kv_dtype, bytes_per_block, policy)
+                   enable_prefix_caching, kv_dtype, bytes_per_block, policy, layouts)
 
 
 def _prefix_rows(policy: Policy) -> int:

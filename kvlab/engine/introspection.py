@@ -32,12 +32,30 @@ class StepCounters:
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
+def group_stats(engine: "Engine") -> list[dict[str, Any]]:
+    """Each KV-cache group (layer type, kvlab/engine/kv_groups.py): its window, layers, blocks and the bytes
+    they hold, in use (referenced by a request) and allocated; group 0 is `block_pool`."""
+    rows = []
+    for group in engine.kv_groups:
+        pool = group.pool
+        rows.append({"group": group.index, "window": group.window,
+                     "layer_type": "full_attention" if group.window is None else "sliding_attention",
+                     "num_layers": len(group.layers), "num_blocks": pool.num_blocks,
+                     "num_free_blocks": pool.num_free_blocks, "num_used_blocks": pool.num_used_blocks,
+                     "num_cached_blocks": pool.num_evictable_blocks, "bytes_per_block": pool.bytes_per_block,
+                     "used_bytes": pool.num_used_blocks * pool.bytes_per_block,
+                     "capacity_bytes": pool.capacity_bytes})
+    return rows
+
+
 def engine_stats(engine: "Engine") -> dict[str, Any]:
-    """Pool usage, prefix-cache hits, queue sizes and token counters (vLLM's metric names)."""
+    """Pool usage, prefix-cache hits, queue sizes and token counters (vLLM's metric names); usage is the
+    share of every group's bytes in use (one group: of its blocks), and `kv_cache_groups` says it per group."""
     pool, sched, cache = engine.block_pool, engine.scheduler, engine.prefix_cache
     running = {s.request.request_id for s in sched.running}
+    groups = group_stats(engine)
     return {
-        "kv_cache_usage": pool.num_used_blocks / pool.num_blocks,
+        "kv_cache_usage": sum(g["used_bytes"] for g in groups) / sum(g["capacity_bytes"] for g in groups),
         "prefix_cache_queries": cache.queries,
         "prefix_cache_hits": cache.hits,
         "num_preemptions": sched.num_preemptions,
@@ -49,6 +67,7 @@ def engine_stats(engine: "Engine") -> dict[str, Any]:
         "num_blocks": pool.num_blocks,
         **asdict(engine.counters),
         **(engine.cache_listener.stats() if engine.cache_listener is not None else {}),  # the KV tier
+        "kv_cache_groups": groups,
     }
 
 
@@ -104,8 +123,28 @@ def cache_state(engine: "Engine") -> dict[str, Any]:
                 # speculative decoding: guesses made and kept so far (the explorer shows the acceptance)
                 "num_drafted_tokens": seq.num_drafted, "num_accepted_tokens": seq.num_accepted,
                 "root_key": request.root_key.hex()})
+    stats = engine_stats(engine)
+    groups = stats["kv_cache_groups"]
+    payloads = [stored_tokens * (pool.bytes_per_block // size)] + [
+        _group_tokens(engine, g) * (g.pool.bytes_per_block // size) for g in engine.kv_groups[1:]]
+    for row, payload in zip(groups, payloads):
+        row["payload_bytes"] = payload
+    # blocks and requests' tables are group 0's (the full-attention layers); the other groups' bytes are in
+    # kv_cache_groups
     return {"block_size": size, "num_blocks": pool.num_blocks, "num_free_blocks": pool.num_free_blocks,
             "num_cached_blocks": pool.num_evictable_blocks, "num_used_blocks": pool.num_used_blocks,
-            "payload_bytes": stored_tokens * (pool.bytes_per_block // size),
-            "capacity_bytes": pool.capacity_bytes, "blocks": blocks, "requests": requests,
-            "stats": engine_stats(engine)}
+            "payload_bytes": sum(payloads), "capacity_bytes": sum(g["capacity_bytes"] for g in groups),
+            "kv_cache_groups": groups, "blocks": blocks, "requests": requests, "stats": stats}
+
+
+def _group_tokens(engine: "Engine", group: Any) -> int:
+    """Token rows a KV-cache group's blocks hold: the running sequences' computed rows in the blocks they
+    still hold (a shared block once), plus every cached block nobody holds (full)."""
+    size = group.pool.block_size
+    rows: dict[int, int] = {}
+    for seq in engine.scheduler.running:
+        for index, block in enumerate(group.table(seq)):
+            if block >= 0:
+                rows[block] = max(rows.get(block, 0), min(size, max(seq.num_computed_tokens - index * size, 0)))
+    cached = group.prefix_cache.evictable_blocks() if group.prefix_cache.enabled else set()
+    return sum(rows.values()) + size * len(cached - set(rows))

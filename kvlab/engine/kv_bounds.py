@@ -64,6 +64,17 @@ class PolicyView:
         return self.view_start > 0
 
 
+def window_max_blocks(num_tokens: int, block_size: int, window: int | None,
+                      max_num_batched_tokens: int | None) -> int:
+    """Most blocks a sequence of `num_tokens` tokens holds at once in layers of this `window` (None: all of
+    them): a chunk of up to max_num_batched_tokens new rows beside the window - 1 keys its first query still
+    sees, +1 block where the window straddles a block boundary (vLLM's SlidingWindowManager bound)."""
+    plain = -(-num_tokens // block_size)
+    if window and max_num_batched_tokens:
+        return min(plain, -(-(window - 1 + max_num_batched_tokens) // block_size) + 1)
+    return plain
+
+
 def held_blocks(seq: Sequence) -> list[int]:
     """The blocks a sequence references: its table without NULL entries, plus its sink source."""
     view = seq.kv_view
@@ -75,10 +86,13 @@ class KVBounds:
 
     def __init__(self, pool: BlockPool, prefix_cache: PrefixCache, inv_freq: np.ndarray,
                  policy: Policy | None = None, sliding_window: int | None = None,
-                 max_num_batched_tokens: int | None = None) -> None:
+                 max_num_batched_tokens: int | None = None, group: int = 0) -> None:
+        """`group`: which of a sequence's block tables these bounds trim (kvlab/engine/kv_groups.py: a hybrid
+        model's sliding layers have their own pool and table; a policy runs only on group 0)."""
         self.pool, self.prefix_cache, self.inv_freq = pool, prefix_cache, inv_freq
         self.policy, self.sliding_window = policy, sliding_window
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.group = group
 
     # --- limits --------------------------------------------------------------------------------------------
     @property
@@ -93,13 +107,11 @@ class KVBounds:
 
     def max_blocks(self, num_tokens: int) -> int:
         """Most blocks a sequence of `num_tokens` tokens holds at once (the whole pool must fit it)."""
-        plain = self.pool.blocks_for(num_tokens)
         if self.policy is not None:  # the view (budget rows, +1 block of misalignment) + the sink source
-            return min(plain, self.pool.blocks_for(self.policy.budget) + 1
+            return min(self.pool.blocks_for(num_tokens), self.pool.blocks_for(self.policy.budget) + 1
                        + self.pool.blocks_for(self.prefix_rows))
-        if self.sliding_window and self.max_num_batched_tokens:
-            return min(plain, self.pool.blocks_for(self.sliding_window - 1 + self.max_num_batched_tokens) + 1)
-        return plain
+        return window_max_blocks(num_tokens, self.pool.block_size, self.sliding_window,
+                                 self.max_num_batched_tokens)
 
     def rows_before_eviction(self, seq: Sequence) -> int | None:
         """New rows `seq` may write before its policy must evict (None: no policy, no limit)."""
@@ -160,7 +172,7 @@ class KVBounds:
 
     def trim(self, seq: Sequence) -> None:
         """Release the table's blocks wholly before every position a query may still see."""
-        table = seq.block_table
+        table = seq.block_tables[self.group]
         for index in range(min(self.first_visible_block(seq, seq.num_computed_tokens), len(table))):
             if table[index] != NULL_BLOCK:
                 self.pool.release([table[index]])

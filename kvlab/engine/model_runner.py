@@ -4,7 +4,9 @@ As nano-vllm's ModelRunner: it turns the scheduler's (sequence, tokens this step
 model reads (token ids, absolute positions, per-sequence query and context lengths, block tables, the slot
 mapping new K/V rows are written through, and which rows' logits to return), runs the forward over the
 pool's K/V, and only then advances each sequence's num_computed_tokens and registers its newly full blocks
-in the prefix cache: a block is findable only once every layer has written it.
+in the prefix cache: a block is findable only once every layer has written it. On a hybrid model each
+KV-cache group (kvlab/engine/kv_groups.py) brings its own block tables and slot mapping, and the model reads
+each layer's K/V from its group's pool (GroupedKV).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import numpy as np
 from kvlab.cache.paged import BlockPool, slot_mapping
 from kvlab.engine.introspection import StepCounters
 from kvlab.engine.kv_bounds import NULL_BLOCK, KVBounds
+from kvlab.engine.kv_groups import CacheGroup, GroupedKV
 from kvlab.engine.request import Sequence
 from kvlab.model.batch import BatchInput
 from kvlab.model.llama import LlamaModel
@@ -24,25 +27,33 @@ class ModelRunner:
     """Batch preparation, the forward over the pool, and the commit of what it computed."""
 
     def __init__(self, model: LlamaModel, pool: BlockPool, prefix_cache: PrefixCache,
-                 counters: StepCounters, bounds: KVBounds | None = None) -> None:
+                 counters: StepCounters, bounds: KVBounds | None = None,
+                 groups: list[CacheGroup] | None = None) -> None:
+        """`groups`: every KV-cache group, group 0 being (pool, prefix_cache, bounds); None: that one alone."""
         self.model = model
         self.pool = pool
         self.prefix_cache = prefix_cache
         self.counters = counters
         self.bounds = bounds if bounds is not None else KVBounds(pool, prefix_cache, inv_freq=None)
+        self.groups = groups if groups is not None else [
+            CacheGroup(0, self.bounds.sliding_window, (), pool, prefix_cache, self.bounds)]
+        # what the model reads K/V from: the one pool, or each layer's group's pool
+        self.kv = pool if len(self.groups) == 1 else GroupedKV(self.groups, model.config.num_hidden_layers)
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[BatchInput, list[Sequence]]:
         """The flat batch of one step, and the sequences whose last scheduled token ends their known tokens
         (they get logits, in batch order: one row each, or 1 + len(draft) rows for a speculating sequence,
         its last token's and each guess's)."""
         size = self.pool.block_size
-        ids, positions, slots, logits_rows, sampled = [], [], [], [], []
+        ids, positions, logits_rows, sampled = [], [], [], []
+        slots: list[list[np.ndarray]] = [[] for _ in self.groups]
         row = 0
         for seq, num_new in scheduled:
             start = seq.num_computed_tokens
             ids.append(seq.token_ids[start:start + num_new - len(seq.draft)] + seq.draft)
             positions.append(np.arange(start, start + num_new))
-            slots.append(slot_mapping(seq.block_table, start, num_new, size))
+            for group in self.groups:
+                slots[group.index].append(slot_mapping(group.table(seq), start, num_new, size))
             row += num_new
             if start + num_new - len(seq.draft) == seq.num_tokens:
                 logits_rows.extend(range(row - 1 - len(seq.draft), row))
@@ -59,15 +70,17 @@ class ModelRunner:
             token_ids=np.concatenate([np.asarray(i, dtype=np.int64) for i in ids]),
             positions=np.concatenate(positions), query_lens=[n for _, n, _ in entries],
             context_lens=[end for _, _, end in entries],
-            block_tables=[_readable(s.block_table) for s, _, _ in entries], slot_mapping=np.concatenate(slots),
+            block_tables=[_readable(s.block_table) for s, _, _ in entries], slot_mapping=np.concatenate(slots[0]),
             logits_indices=np.array(logits_rows, dtype=np.int64),
-            key_starts=[self.bounds.key_start(s) for s, _, _ in entries] if self.bounds.policy else None)
+            key_starts=[self.bounds.key_start(s) for s, _, _ in entries] if self.bounds.policy else None,
+            window_tables={g.window: ([_readable(g.table(s)) for s, _, _ in entries],
+                                      np.concatenate(slots[g.index])) for g in self.groups[1:]} or None)
         return batch, sampled
 
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[np.ndarray, list[Sequence]]:
         """One batched forward over every scheduled token; logits [len(sampled), vocab] and `sampled`."""
         batch, sampled = self.prepare(scheduled)
-        logits = self.model.forward_batch(batch, self.pool)
+        logits = self.model.forward_batch(batch, self.kv)
         for seq, num_new in scheduled:  # every layer has written: commit, then make full blocks findable
             if not seq.draft:  # a speculating sequence commits what verification keeps (commit_accepted)
                 self.commit(seq, num_new)
@@ -78,10 +91,14 @@ class ModelRunner:
         seq.num_computed_tokens += num_rows
         if not self.bounds.registers(seq):
             return
+        known = len(seq.block_keys)
         inserted = self.prefix_cache.insert(seq.block_table, seq.token_ids, seq.request.root_key,
                                             seq.num_computed_tokens, seq.block_keys)
         if inserted.keys:
             seq.block_keys.extend(inserted.keys)
+            for group in self.groups[1:]:  # group 0's chain keys: one hit finds every group's blocks
+                group.prefix_cache.insert_keys(group.table(seq), seq.token_ids, seq.request.root_key,
+                                               seq.block_keys, known)
 
     def commit_accepted(self, seq: Sequence, num_rows: int) -> None:
         """After verification: keep the last token's row and the accepted guesses' (`num_rows`), forget the
@@ -89,9 +106,11 @@ class ModelRunner:
         seq.draft = []
         self.commit(seq, num_rows)
         keep = self.pool.blocks_for(seq.num_tokens)
-        if len(seq.block_table) > keep:
-            self.pool.release([b for b in seq.block_table[keep:] if b != NULL_BLOCK])
-            del seq.block_table[keep:]
+        for group in self.groups:
+            table = group.table(seq)
+            if len(table) > keep:
+                group.pool.release([b for b in table[keep:] if b != NULL_BLOCK])
+                del table[keep:]
 
 
 def _readable(table: list[int]) -> list[int]:

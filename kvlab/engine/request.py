@@ -52,7 +52,8 @@ class Sequence:
         self.index = index
         self.token_ids: list[int] = list(request.prompt_token_ids)
         self.num_computed_tokens = 0
-        self.block_table: list[int] = []
+        # one block table per KV-cache group (kvlab/engine/kv_groups.py); block_table is group 0's
+        self.block_tables: list[list[int]] = [[] for _ in range(request.num_kv_groups)]
         self.block_keys: list[bytes] = []  # prefix-cache keys of the table's leading full blocks
         self.status = Status.WAITING if index == 0 else Status.PENDING_FORK
         self.sampler = Sampler(request.params.for_sample(index))
@@ -66,6 +67,15 @@ class Sequence:
         self.draft: list[int] = []  # this step's speculative guesses (kvlab/engine/speculative.py)
         self.num_speculative_tokens = 0  # the adaptive guess count (0: this sequence does not speculate)
         self.num_drafted = self.num_accepted = 0  # guesses made and kept over its life (explorer, stats)
+
+    @property
+    def block_table(self) -> list[int]:
+        """The table of KV-cache group 0 (the full-attention layers', or every layer's)."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables[0] = table
 
     @property
     def num_tokens(self) -> int:
@@ -105,6 +115,7 @@ class Request:
     forked: bool = False
     admitted: bool = False
     seqs: list[Sequence] = field(default_factory=list)
+    num_kv_groups: int = 1  # block tables per sequence: one per KV-cache group of the engine
 
     def __post_init__(self) -> None:
         self.forked = self.params.n == 1

@@ -10,7 +10,10 @@ its longest prefix-cache hit, in whole blocks, always computing its last token.
 
 Sliding-window models and cache policies bound what a sequence holds (kvlab/engine/kv_bounds.py): before
 each chunk the bounds evict what the policy drops and release blocks no query can see again; a policy
-caps each chunk at its max_chunk and each prefix hit below its budget.
+caps each chunk at its max_chunk and each prefix hit below its budget. A hybrid model's layer types are
+KV-cache groups (kvlab/engine/kv_groups.py), each with its own pool and a table per sequence: a step runs a
+sequence only if every group has the blocks it needs (else the newest is preempted), and a waiting sequence
+is admitted only if every group can hold its first chunk.
 
 After the forward, `postprocess` is nano-vllm's: each sequence that reached its end gets its sampled token
 (sample 0 of an n > 1 request forks its siblings at the first one, copy-on-write), its text is detokenized
@@ -27,6 +30,7 @@ import numpy as np
 from kvlab.cache.paged import BlockPool
 from kvlab.engine.introspection import StepCounters
 from kvlab.engine.kv_bounds import NULL_BLOCK, KVBounds
+from kvlab.engine.kv_groups import CacheGroup, longest_hit
 from kvlab.engine.request import Sequence, Status
 from kvlab.generation.loop import StopReason, stop_reason
 from kvlab.prefix.prefix_cache import PrefixCache
@@ -44,10 +48,13 @@ class Scheduler:
 
     def __init__(self, pool: BlockPool, prefix_cache: PrefixCache, max_num_seqs: int,
                  max_num_batched_tokens: int, counters: StepCounters | None = None,
-                 bounds: KVBounds | None = None) -> None:
+                 bounds: KVBounds | None = None, groups: list[CacheGroup] | None = None) -> None:
+        """`groups`: every KV-cache group, group 0 being (pool, prefix_cache, bounds); None: that one alone."""
         self.pool = pool
         self.prefix_cache = prefix_cache
         self.bounds = bounds if bounds is not None else KVBounds(pool, prefix_cache, inv_freq=None)
+        self.groups = groups if groups is not None else [
+            CacheGroup(0, self.bounds.sliding_window, (), pool, prefix_cache, self.bounds)]
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.counters = counters if counters is not None else StepCounters()
@@ -73,15 +80,16 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this step
-            if self.bounds.max_blocks(seq.num_tokens) > self.pool.num_blocks:
+            if self._too_long(seq.num_tokens):
                 self.remove(seq)
                 out.too_long.append(seq)
                 continue
             unseen = seq.num_tokens - seq.num_computed_tokens
             num_new = min(unseen + len(seq.draft), budget, self._chunk_cap())
             seq.draft = seq.draft[:max(num_new - unseen, 0)]  # guesses ride along only where they fit
-            self.bounds.evict(seq, num_new)
-            while self._blocks_needed(seq, num_new) > self.pool.num_free_blocks:
+            for group in self.groups:
+                group.bounds.evict(seq, num_new)
+            while (short := self._short_group(seq, num_new)) is not None:
                 victim = max(self.running, key=lambda s: (s.admitted_at, s.index))
                 if victim is seq and len(self.running) == 1:
                     # alone, every other block is free or evictable: waiting cannot help, and re-admission
@@ -89,8 +97,9 @@ class Scheduler:
                     # this line is a bug, so say so instead of spinning (docs/ARCHITECTURE.md, liveness).
                     raise RuntimeError(
                         f"liveness: sequence {seq.request.request_id}#{seq.index} alone in the pool needs "
-                        f"{self._blocks_needed(seq, num_new)} free blocks for {num_new} tokens but "
-                        f"{self.pool.num_free_blocks} of {self.pool.num_blocks} are free")
+                        f"{self._blocks_needed(seq, num_new, short)} free blocks of KV-cache group "
+                        f"{short.index} for {num_new} tokens but {short.pool.num_free_blocks} of "
+                        f"{short.pool.num_blocks} are free")
                 budget += scheduled.pop(victim, 0)
                 self.preempt(victim)
                 preempted = True
@@ -99,7 +108,8 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 continue
             self.bounds.place_sinks(seq)
-            self._grow(seq, num_new)
+            for group in self.groups:
+                self._grow(group, seq, num_new)
             scheduled[seq] = num_new
             budget -= num_new
         if not preempted:  # as vLLM: no admissions in a step that had to preempt
@@ -113,7 +123,7 @@ class Scheduler:
             seq = self.waiting[0]
             if self.running_seats() + seq.seats > self.max_num_seqs:
                 break
-            if self.bounds.max_blocks(seq.num_tokens) > self.pool.num_blocks:
+            if self._too_long(seq.num_tokens):
                 self.waiting.popleft()
                 out.too_long.append(seq)
                 continue
@@ -121,21 +131,30 @@ class Scheduler:
             hits = hits[:(seq.num_tokens - 1) // size]  # the last token is always computed
             if self.bounds.max_hit_blocks() is not None:
                 hits = hits[:self.bounds.max_hit_blocks()]
+            found: list[list[int]] = []  # the other groups' cached blocks, from their first visible one
+            if len(self.groups) > 1:  # a hybrid hit counts only where every group has what it reads
+                num_hit, found = longest_hit(self.groups, seq, keys[:len(hits)])
+                hits = hits[:num_hit]
             num_cached = len(hits) * size
             num_new = min(seq.num_tokens - num_cached, budget, self._chunk_cap())
             if self.bounds.policy is not None:  # the first chunk evicts nothing (see max_hit_blocks)
                 num_new = min(num_new, self.bounds.policy.budget - num_cached)
             # a sliding window's hit takes only the blocks its queries still see (vLLM's rule); taking every
             # hit could need more blocks than the pool has, and the request waited forever (issue 32)
-            first = min(self.bounds.first_visible_block(seq, num_cached), len(hits))
-            kept = hits[first:]
-            total = self.pool.blocks_for(num_cached + num_new) - first
-            revived = sum(1 for b in kept if self.pool.ref_counts[b] == 0)  # cached blocks leaving the LRU
-            if total - len(kept) + revived > self.pool.num_free_blocks:
+            plans, fits = [], True
+            for group, cached in zip(self.groups, [hits] + found):
+                first = min(group.bounds.first_visible_block(seq, num_cached), len(hits))
+                kept = cached[first:] if group.index == 0 else cached
+                total = group.pool.blocks_for(num_cached + num_new) - first
+                revived = sum(1 for b in kept if group.pool.ref_counts[b] == 0)  # cached blocks leaving the LRU
+                plans.append((group, first, kept, total))
+                fits = fits and total - len(kept) + revived <= group.pool.num_free_blocks
+            if not fits:
                 break
             self.waiting.popleft()
-            self.pool.acquire(kept)
-            seq.block_table = [NULL_BLOCK] * first + kept + self.pool.allocate(total - len(kept))
+            for group, first, kept, total in plans:
+                group.pool.acquire(kept)
+                seq.block_tables[group.index] = [NULL_BLOCK] * first + kept + group.pool.allocate(total - len(kept))
             seq.block_keys = keys[:len(hits)]
             seq.num_computed_tokens = num_cached
             self.prefix_cache.record(seq.num_tokens, num_cached)
@@ -153,31 +172,42 @@ class Scheduler:
         cap = self.bounds.max_chunk
         return cap if cap is not None else self.max_num_batched_tokens
 
-    def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
-        """Free blocks this step takes for `seq`: its growth, the private copies of its sink rows, and the
-        copy-on-write of a partially filled last block, counted once when the sinks' copy already makes
-        that block private (counting it twice made a lone request preempt itself forever: issue 32)."""
+    def _too_long(self, num_tokens: int) -> bool:
+        """Whether a sequence of `num_tokens` outgrows some group's whole pool (it could never run)."""
+        return any(g.bounds.max_blocks(num_tokens) > g.pool.num_blocks for g in self.groups)
+
+    def _short_group(self, seq: Sequence, num_new: int) -> CacheGroup | None:
+        """The first group without the free blocks this step takes for `seq`; None: every group has them."""
+        return next((g for g in self.groups if self._blocks_needed(seq, num_new, g) > g.pool.num_free_blocks),
+                    None)
+
+    def _blocks_needed(self, seq: Sequence, num_new: int, group: CacheGroup | None = None) -> int:
+        """Free blocks of `group` (default: group 0) this step takes for `seq`: its growth, the private copies
+        of its sink rows, and the copy-on-write of a partially filled last block, counted once when the sinks'
+        copy already makes that block private (counting it twice made a lone request preempt itself forever:
+        issue 32)."""
+        group = group if group is not None else self.groups[0]
         start = seq.num_computed_tokens
-        need = self.pool.blocks_for(start + num_new) - len(seq.block_table) + self.bounds.sink_blocks_needed(seq)
-        if self._shared_tail(seq) and start // self.pool.block_size not in self.bounds.sink_indices(seq):
+        need = group.pool.blocks_for(start + num_new) - len(group.table(seq)) + group.bounds.sink_blocks_needed(seq)
+        if self._shared_tail(group, seq) and start // group.pool.block_size not in group.bounds.sink_indices(seq):
             need += 1  # copy-on-write of a partially filled block shared with a fork
         return need
 
-    def _shared_tail(self, seq: Sequence) -> bool:
-        start = seq.num_computed_tokens
-        return start % self.pool.block_size != 0 and \
-            self.pool.ref_counts[seq.block_table[start // self.pool.block_size]] > 1
+    def _shared_tail(self, group: CacheGroup, seq: Sequence) -> bool:
+        start, size = seq.num_computed_tokens, group.pool.block_size
+        return start % size != 0 and group.pool.ref_counts[group.table(seq)[start // size]] > 1
 
-    def _grow(self, seq: Sequence, num_new: int) -> None:
-        """Give `seq` the blocks its next `num_new` tokens are written into."""
-        if self._shared_tail(seq):
-            index = seq.num_computed_tokens // self.pool.block_size
-            [copy] = self.pool.allocate(1)
-            self.pool.copy_block(seq.block_table[index], copy, seq.num_computed_tokens % self.pool.block_size)
-            self.pool.release([seq.block_table[index]])
-            seq.block_table[index] = copy
-        more = self.pool.blocks_for(seq.num_computed_tokens + num_new) - len(seq.block_table)
-        seq.block_table.extend(self.pool.allocate(more))
+    def _grow(self, group: CacheGroup, seq: Sequence, num_new: int) -> None:
+        """Give `seq` the blocks of `group` its next `num_new` tokens are written into."""
+        pool, table = group.pool, group.table(seq)
+        if self._shared_tail(group, seq):
+            index = seq.num_computed_tokens // pool.block_size
+            [copy] = pool.allocate(1)
+            pool.copy_block(table[index], copy, seq.num_computed_tokens % pool.block_size)
+            pool.release([table[index]])
+            table[index] = copy
+        more = pool.blocks_for(seq.num_computed_tokens + num_new) - len(table)
+        table.extend(pool.allocate(more))
 
     # --- state changes -------------------------------------------------------------------------------------
     def _start(self, seq: Sequence, admitted_at: int) -> None:
@@ -189,9 +219,10 @@ class Scheduler:
         """Start `child` as a copy of `parent` sharing all its blocks (copy-on-write on its first write)."""
         child.token_ids = list(parent.token_ids)
         child.num_computed_tokens = parent.num_computed_tokens
-        child.block_table = list(parent.block_table)
+        child.block_tables = [list(table) for table in parent.block_tables]
         child.block_keys = list(parent.block_keys)
-        self.pool.acquire([b for b in child.block_table if b != NULL_BLOCK])
+        for group in self.groups:
+            group.pool.acquire(group.held(child))
         self.bounds.fork(parent, child)
         self._start(child, parent.admitted_at)
 
@@ -210,9 +241,10 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
-        self.pool.release([b for b in seq.block_table if b != NULL_BLOCK])
+        for group in self.groups:
+            group.pool.release(group.held(seq))
         self.bounds.release(seq)
-        seq.block_table = []
+        seq.block_tables = [[] for _ in seq.block_tables]
         seq.block_keys = []
 
     # --- after the forward ---------------------------------------------------------------------------------

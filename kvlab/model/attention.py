@@ -196,12 +196,13 @@ class PagedAttention:
     in place. Otherwise (or for a chunk whose visible keys are not one run per query) the NumPy reference
     gathers them sequence by sequence (model/paged_attention.py). What depends on the window (decode key
     starts, prefill key ranges) is one plan per distinct layer window; soft-capped scores (Gemma 2) take
-    the NumPy reference.
+    the NumPy reference. A window with a KV-cache group of its own (`batch.window_tables`: a hybrid model's
+    sliding layers in the engine, kvlab/engine/kv_groups.py) brings its own block tables and slot mapping,
+    and `pool` hands each layer its group's arrays, so each plan reads its layers through its own tables.
     """
 
     def __init__(self, pool: PagedKV, batch: BatchInput, config: ModelConfig, compiled: bool) -> None:
         self.key_cache, self.value_cache = pool.key_cache, pool.value_cache
-        self.slot_mapping = batch.slot_mapping
         self.causal = config.causal
         self.scale, self.logit_cap = config.attention_scale, config.attn_logit_softcapping
         compiled = compiled and self.logit_cap is None
@@ -214,14 +215,12 @@ class PagedAttention:
         self.others = [i for i, n in enumerate(batch.query_lens) if n > 1]
         if self.decodes:  # one padded attention call for every one-token sequence
             self.decode_rows = self.starts[self.decodes]
-            self.decode_tables = _padded([batch.block_tables[i] for i in self.decodes])
             self.decode_positions = positions[self.decode_rows][:, None]
             self.decode_lens = np.array([batch.context_lens[i] for i in self.decodes], dtype=np.int64)
         # compiled attention reads a float pool in place, and the decode kernel reads quantized blocks in
         # place too (their StoredCodes); prefill chunks over quantized blocks go through the NumPy gather
         self.in_place = compiled and isinstance(self.key_cache[0], np.ndarray)
         self.decode_in_place = compiled and (self.in_place or hasattr(self.key_cache[0], "stored"))
-        self.seq_tables = {i: np.array([batch.block_tables[i]], dtype=np.int64) for i in self.others}
         if self.decode_in_place:
             from kvlab.kernels import attention as decode_kernels
 
@@ -233,14 +232,14 @@ class PagedAttention:
     def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         key_cache, value_cache = self.key_cache[layer], self.value_cache[layer]
         plan = self.layer_plans[layer]
-        write_slots(key_cache, value_cache, self.slot_mapping, k, v)
+        write_slots(key_cache, value_cache, plan.slot_mapping, k, v)
         attn = np.empty((q.shape[0], self.heads, self.head_dim), dtype=q.dtype)
         if self.decodes and self.decode_in_place:
             attn[self.decode_rows] = self._decode.paged_decode_attention(
-                q[self.decode_rows], _stored(key_cache), _stored(value_cache), self.decode_tables,
+                q[self.decode_rows], _stored(key_cache), _stored(value_cache), plan.decode_tables,
                 self.decode_lens, plan.decode_starts, scale=self.scale)
         elif self.decodes:
-            out = paged_attention(q[self.decode_rows][:, :, None], key_cache, value_cache, self.decode_tables,
+            out = paged_attention(q[self.decode_rows][:, :, None], key_cache, value_cache, plan.decode_tables,
                                   self.decode_positions, self.decode_lens, causal=self.causal,
                                   sliding_window=plan.window, key_starts=plan.decode_starts, scale=self.scale,
                                   logit_cap=self.logit_cap)
@@ -251,7 +250,7 @@ class PagedAttention:
             if plan.ranges.get(i) is not None:
                 continue
             rows = slice(self.starts[i], self.starts[i + 1])
-            out = paged_attention(q[rows].transpose(1, 0, 2)[None], key_cache, value_cache, self.seq_tables[i],
+            out = paged_attention(q[rows].transpose(1, 0, 2)[None], key_cache, value_cache, plan.seq_tables[i],
                                   self.positions[rows][None], [self.context_lens[i]], causal=self.causal,
                                   sliding_window=plan.window,
                                   key_starts=None if self.key_starts is None else [self.key_starts[i]],
@@ -261,11 +260,16 @@ class PagedAttention:
 
 
 class _PagedPlan:
-    """What the layers of one window share in a paged forward: each decode's first visible key, each
-    compiled prefill chunk's key ranges and the one kernel call over them."""
+    """What the layers of one window share in a paged forward: their block tables and slot mapping (their
+    KV-cache group's), each decode's first visible key, each compiled prefill chunk's key ranges and the one
+    kernel call over them."""
 
     def __init__(self, owner: PagedAttention, batch: BatchInput, window: int | None) -> None:
         self.window = window
+        tables, self.slot_mapping = (batch.window_tables or {}).get(window, (batch.block_tables,
+                                                                            batch.slot_mapping))
+        self.decode_tables = _padded([tables[i] for i in owner.decodes]) if owner.decodes else None
+        self.seq_tables = {i: np.array([tables[i]], dtype=np.int64) for i in owner.others}
         self.decode_starts = None
         self.ranges: dict = {}  # compiled prefill: each chunk's visible keys as one range per query
         self.prefill = None  # compiled prefill: one call over every chunk with ranges (_PrefillCall)
@@ -290,7 +294,7 @@ class _PagedPlan:
         ranged = [i for i in owner.others if self.ranges[i] is not None]
         if ranged:
             self.prefill = _PrefillCall(prefill_attention, ranged, owner.starts, self.ranges,
-                                        [batch.block_tables[i] for i in ranged])
+                                        [tables[i] for i in ranged])
 
 
 def _stored(blocks: object) -> object:

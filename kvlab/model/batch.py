@@ -27,3 +27,6 @@ class BatchInput:
     logits_indices: np.ndarray     # rows of the flat batch whose logits are returned
     key_starts: list[int] | None = None  # per sequence: first visible key position (a cache policy's
                                          # view start, kvlab/engine/kv_bounds.py); None: 0 for every one
+    # per layer window with its own KV-cache group (a hybrid model's sliding layers, kvlab/engine/kv_groups.py):
+    # that group's block tables and slot mapping; the layers of any other window use the two fields above
+    window_tables: dict[int, tuple[list[list[int]], np.ndarray]] | None = None

@@ -168,6 +168,23 @@ class PrefixCache:
                 parent = key
             return Inserted(keys, existing)
 
+    def insert_keys(self, block_table: Sequence[int], token_ids: Sequence[int], root: bytes,
+                    keys: Sequence[bytes], start: int) -> int:
+        """Register blocks [start, len(keys)) of a block table under chain `keys` already computed for these
+        tokens (a hybrid model's other KV-cache groups take group 0's keys, so one hit finds every group's
+        blocks: kvlab/engine/kv_groups.py). Released entries (< 0) are skipped. Returns how many were new."""
+        if not self.enabled:
+            return 0
+        size = self.pool.block_size
+        with self._lock:
+            self._roots.add(root)
+            registered = 0
+            for index in range(start, len(keys)):
+                if block_table[index] >= 0:
+                    registered += self.register(block_table[index], keys[index], keys[index - 1] if index else root,
+                                                token_ids[index * size:(index + 1) * size])
+            return registered
+
     def register(self, block: int, key: bytes, parent: bytes | None, token_ids: Sequence[int]) -> bool:
         """Make a full in-use block findable under `key`. False (nothing changes) if the key is taken."""
         with self._lock:

@@ -36,6 +36,12 @@ ENGINE_COUNTERS = [
 ]
 SPEC_PER_POS = ("spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_accepted_tokens_per_pos",
                 "Speculative tokens accepted, by their position among the guesses (0: the first)")
+# per KV-cache group (layer type: kvlab/engine/kv_groups.py), labelled group, layer_type and window
+GROUP_GAUGES = [
+    ("kv_cache_group_used_bytes", "used_bytes", "K/V bytes in blocks requests hold, per KV-cache group"),
+    ("kv_cache_group_capacity_bytes", "capacity_bytes", "K/V bytes allocated, per KV-cache group"),
+    ("kv_cache_group_used_blocks", "num_used_blocks", "Blocks requests hold, per KV-cache group"),
+]
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
@@ -64,6 +70,12 @@ class _EngineCollector:
         for position, count in enumerate(snapshot.get(key, ())):
             family.add_metric([self.model_name, str(position)], float(count))
         yield family
+        for name, key, doc in GROUP_GAUGES:  # a hybrid model's layer types each have their own pool
+            family = GaugeMetricFamily(f"kvlab:{name}", doc, labels=["model_name", "group", "layer_type", "window"])
+            for group in snapshot.get("kv_cache_groups", ()):
+                family.add_metric([self.model_name, str(group["group"]), group["layer_type"],
+                                   "" if group["window"] is None else str(group["window"])], float(group[key]))
+            yield family
 
 
 class ServerMetrics:

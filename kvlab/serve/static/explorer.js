@@ -68,6 +68,12 @@ function renderPool(s) {
   const frac = s.capacity_bytes ? s.payload_bytes / s.capacity_bytes : 0;
   $("bytes-bar").style.width = pct(frac);
   $("bytes").textContent = `${humanBytes(s.payload_bytes)} payload of ${humanBytes(s.capacity_bytes)} capacity (${pct(frac)})`;
+  // a hybrid model's layer types (KV-cache groups) each have a pool: the blocks above are the first group's
+  const groups = s.kv_cache_groups || [];
+  $("groups").textContent = groups.length > 1 ? groups.map((g) =>
+    `${g.layer_type}${g.window ? " (window " + g.window + ")" : ""}, ${g.num_layers} layers: ` +
+    `${humanBytes(g.payload_bytes)} of ${humanBytes(g.capacity_bytes)}, ${g.num_used_blocks}/${g.num_blocks} blocks`
+  ).join(" · ") : "";
 }
 
 function renderTree(s) {
