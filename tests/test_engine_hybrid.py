@@ -306,3 +306,19 @@ def test_bytes_per_layer_type_in_stats_cache_state_and_metrics():
             f'window="4"}} {float(sliding["used_bytes"])}') in text
     assert f'kvlab:kv_cache_group_used_blocks{{group="0",layer_type="full_attention",model_name="m",window=""}} ' \
            f'{float(full["num_used_blocks"])}' in text
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "int8", "int4", "fp8_e4m3"])
+def test_each_groups_pool_allocates_the_bytes_it_was_sized_with(kv_dtype):
+    """EngineConfig sizes each group from the kv_spec bytes `kvlab memory` uses; the pools allocate exactly
+    those, quantized scales included, and the tokens do not depend on the chunk budget."""
+    model = hybrid(3, "SSF")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    runs = []
+    for chunk in (6, 30):
+        engine = Engine(model, block_size=4, max_num_seqs=2, max_num_batched_tokens=chunk, kv_cache_dtype=kv_dtype)
+        for layout, group in zip(engine.config.groups, engine.kv_groups):
+            assert group.pool.bytes_per_block == layout.bytes_per_block
+            assert group.pool.capacity_bytes == layout.num_blocks * layout.bytes_per_block
+        runs.append(engine.generate([list(range(3, 30))], params)[0].outputs[0].token_ids)
+    assert runs[0] == runs[1]

@@ -61,7 +61,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     engine.add_argument("--kv-cache-memory", default=None, metavar="BYTES",
                         help="KV pool budget, e.g. 64MiB (default: enough for --max-num-seqs full sequences, "
                              "at most 1 GiB)")
-    engine.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (instead of memory)")
+    engine.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (instead of memory); on a "
+                        "hybrid model (sliding and full layers) the full-attention layers' blocks")
     engine.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_cache_dtype", default=None,
                         choices=("auto",) + KV_CACHE_DTYPES, metavar="DTYPE",
                         help="KV storage: auto (the compute dtype, the default), float32, float16, bfloat16, "
