@@ -1,5 +1,8 @@
 """Engine: many requests at once over one paged K/V pool, with a prefix cache across requests.
 
+A hybrid model (layers of different windows: Gemma 2/3) has a pool and a prefix cache per layer type
+(`kv_groups`, kvlab/engine/kv_groups.py); `block_pool` and `prefix_cache` are group 0's (full attention).
+
 `add_request` queues a prompt; each `step()` schedules running decodes and prefill chunks (continuous
 batching: requests join and leave between steps), runs one batched forward over every scheduled token,
 samples, registers newly full blocks in the prefix cache and reports the requests that progressed.
