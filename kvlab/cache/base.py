@@ -62,6 +62,9 @@ class Cache(Protocol):
 
     def get_seq_length(self) -> int: ...
 
+    def layer_start(self, layer: int) -> int:
+        """The position of the layer's first held row (0; later for a sliding layer that gave rows back)."""
+
     @property
     def positions(self) -> np.ndarray:
         """Absolute position of every committed row, [T]: the mask is built from them (invariant 2)."""

@@ -1,7 +1,9 @@
 """Preallocated contiguous K/V storage with amortized growth.
 
 One array per layer for keys and one for values, [B, H_kv, capacity, d]. Appending writes into a view;
-when capacity runs out it doubles, so the whole cache is copied only O(log T) times over a sequence.
+when capacity runs out it doubles, so the whole cache is copied only O(log T) times over a sequence. A
+layer may grow alone and drop its first rows (`reserve(n, layer)`, `drop_front`): a KVCache that trims its
+sliding-window layers (kvlab/cache/kv_cache.py) keeps each such layer at about its window.
 """
 
 from __future__ import annotations
@@ -34,16 +36,27 @@ class ContiguousStore:
     def capacity_bytes(self) -> int:
         return sum(a.nbytes for a in self._keys) + sum(a.nbytes for a in self._values)
 
-    def reserve(self, num_tokens: int) -> None:
-        capacity = self.capacity_tokens
-        if num_tokens <= capacity:
-            return
-        new_capacity = max(num_tokens, 2 * capacity, MIN_CAPACITY)
-        for arrays in (self._keys, self._values):
-            for i, old in enumerate(arrays):
+    def reserve(self, num_tokens: int, layer: int | None = None) -> None:
+        """Room for `num_tokens` rows in every layer, or in `layer` alone."""
+        for index in range(len(self._keys)) if layer is None else (layer,):
+            capacity = self._keys[index].shape[2]
+            if num_tokens <= capacity:
+                continue
+            new_capacity = max(num_tokens, 2 * capacity, MIN_CAPACITY)
+            for arrays in (self._keys, self._values):
                 grown = self._alloc(new_capacity)
-                grown[:, :, :capacity] = old
-                arrays[i] = grown
+                grown[:, :, :capacity] = arrays[index]
+                arrays[index] = grown
+
+    def drop_front(self, layer: int, count: int, length: int, capacity: int | None = None) -> None:
+        """Move rows [count, length) of `layer` to the front (its first `count` rows are given up); with
+        `capacity`, arrays larger than it (a long prefill's) shrink to it."""
+        keep = length - count
+        for arrays in (self._keys, self._values):
+            rows = arrays[layer][:, :, count:length].copy()
+            if capacity is not None and arrays[layer].shape[2] > max(capacity, keep, MIN_CAPACITY):
+                arrays[layer] = self._alloc(max(capacity, keep, MIN_CAPACITY))
+            arrays[layer][:, :, :keep] = rows
 
     def write(self, layer: int, start: int, keys: np.ndarray, values: np.ndarray) -> None:
         end = start + keys.shape[2]
@@ -57,9 +70,13 @@ class ContiguousStore:
         """The layer's whole preallocated arrays (C-contiguous, [B, H_kv, capacity, d]), for kernels."""
         return self._keys[layer], self._values[layer]
 
-    def copy(self, length: int) -> "ContiguousStore":
+    def copy(self, length: int | list[int]) -> "ContiguousStore":
+        """An independent store of the first `length` rows of every layer (a list: of each layer)."""
+        lengths = length if isinstance(length, list) else [length] * len(self._keys)
         batch, heads, dim = self.shape
-        clone = ContiguousStore(len(self._keys), batch, heads, dim, self.dtype, max(length, MIN_CAPACITY))
-        for layer in range(len(self._keys)):
-            clone.write(layer, 0, *self.read(layer, length))
+        clone = ContiguousStore(len(self._keys), batch, heads, dim, self.dtype,
+                                max(min(lengths, default=0), MIN_CAPACITY))
+        for layer, rows in enumerate(lengths):
+            clone.reserve(rows, layer)
+            clone.write(layer, 0, *self.read(layer, rows))
         return clone

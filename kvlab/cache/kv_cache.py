@@ -3,6 +3,13 @@
 It keeps the bookkeeping that is the same for every storage layout: the committed length
 (num_cached_tokens, a plain int), the absolute position of every cached row, and what produced the rows
 (CacheSpec). Storage itself sits behind the KVStore protocol (contiguous today, paged later).
+
+Sliding layers (`windows`, one per layer, None: full attention; a hybrid model's
+`ModelConfig.layer_window`): on a float contiguous store, a layer of window W gives back its rows before
+the W - 1 that the next query still sees once it holds max(W, MIN_CAPACITY) more, so it holds at most
+about 2W + a chunk rows however long the sequence grows, and `layer_start(i)` says which row is its first.
+Such a cache cannot go back into what it gave back: `crop` there is refused (crop(0) always works), and
+`retain` (cache policies) is refused outright.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ class KVCache:
     """
 
     def __init__(self, spec: CacheSpec, batch_size: int = 1, kv_dtype: object = None,
-                 capacity: int = MIN_CAPACITY, store: KVStore | None = None) -> None:
+                 capacity: int = MIN_CAPACITY, store: KVStore | None = None,
+                 windows: Sequence[int | None] | None = None) -> None:
         self.spec = spec
         self.batch_size = validate.int_in_range(batch_size, "batch_size", 1)
         self.dtype = resolve_kv_dtype(kv_dtype, spec.compute_dtype)
@@ -45,6 +53,13 @@ class KVCache:
                              f"({type(exc).__name__}: {exc})") from None
         self._positions = np.zeros(max(self.store.capacity_tokens, 1), dtype=np.int64)
         self._length = 0
+        if windows is not None and len(windows) != spec.num_layers:
+            raise InputError(f"windows must give one window (or None) per layer: {spec.num_layers}, got "
+                             f"{len(windows)}")
+        # per layer: its window where it trims (a float contiguous store), else None; and its first row
+        self._windows = [w if isinstance(self.store, ContiguousStore) else None
+                         for w in (windows or [None] * spec.num_layers)]
+        self._first = [0] * spec.num_layers
 
     @property
     def quantized(self) -> bool:
@@ -58,7 +73,8 @@ class KVCache:
     def __getitem__(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         if not -len(self) <= layer < len(self):
             raise IndexError(f"layer {layer} out of range for a {len(self)}-layer cache")
-        return self.store.read(layer % len(self), self._length)
+        layer %= len(self)
+        return self.store.read(layer, self._length - self._first[layer])
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         return (self[i] for i in range(len(self)))
@@ -70,6 +86,15 @@ class KVCache:
     @property
     def num_cached_tokens(self) -> int:
         return self._length
+
+    def layer_start(self, layer: int) -> int:
+        """The position of `layer`'s first held row: 0, or where a sliding layer's kept rows begin."""
+        return self._first[layer]
+
+    @property
+    def trims(self) -> bool:
+        """True when some layer gives back the rows before its window."""
+        return any(w is not None for w in self._windows)
 
     @property
     def positions(self) -> np.ndarray:
@@ -88,8 +113,8 @@ class KVCache:
             payload, scales = self.store.nbytes(self._length)
             moved = self.store.moved_bytes()
         else:
-            payload = 2 * len(self) * self.batch_size * self.spec.num_kv_heads * self._length \
-                * self.spec.head_dim * self.dtype.itemsize
+            rows = sum(self._length - first for first in self._first)  # sliding layers: the rows they keep
+            payload = 2 * self.batch_size * self.spec.num_kv_heads * rows * self.spec.head_dim * self.dtype.itemsize
             scales = moved = 0
         return MemoryReport(
             num_layers=len(self), batch_size=self.batch_size, num_tokens=self._length,
@@ -115,11 +140,12 @@ class KVCache:
                positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Write layer `layer`'s new rows after the committed ones; return everything to attend to."""
         end = self._write(layer, keys, values, positions)
-        all_keys, all_values = self.store.read(layer, end)
+        first = self._first[layer]
+        all_keys, all_values = self.store.read(layer, end - first)
         if all_keys.dtype != self.spec.compute_dtype:
             all_keys = all_keys.astype(self.spec.compute_dtype)
             all_values = all_values.astype(self.spec.compute_dtype)
-        return all_keys, all_values, self._positions[:end]
+        return all_keys, all_values, self._positions[first:end]
 
     @property
     def in_place(self) -> bool:
@@ -132,25 +158,40 @@ class KVCache:
                positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """`update` for kernels that read the cache where it lies: write the new rows and return the layer's
         storage arrays [B, H_kv, capacity, d] in the cache dtype (rows before num_cached_tokens + new are
-        valid), with no upcast of a float16/bfloat16 cache; a quantized store's StoredCodes."""
+        valid, counted from `layer_start(layer)`), with no upcast of a float16/bfloat16 cache; a quantized
+        store's StoredCodes."""
         self._write(layer, keys, values, positions)
         return self.store.storage(layer)
 
     def _write(self, layer: int, keys: np.ndarray, values: np.ndarray, positions: np.ndarray) -> int:
         start, num_new = self._length, keys.shape[2]
         end = start + num_new
+        first = self._first[layer]
+        if self.trims:  # each layer grows by its own rows
+            self.store.reserve(end - first, layer)
         if layer == 0:
-            self.store.reserve(end)
+            if not self.trims:
+                self.store.reserve(end)
             if self._positions.shape[0] < end:
                 grown = np.zeros(max(end, 2 * self._positions.shape[0]), dtype=np.int64)
                 grown[:start] = self._positions[:start]
                 self._positions = grown
             self._positions[start:end] = positions
-        self.store.write(layer, start, keys, values)
+        self.store.write(layer, start - first, keys, values)
         return end
 
     def commit(self, num_new: int) -> None:
         self._length += int(num_new)
+        for layer, window in enumerate(self._windows):
+            # the next query (at position length) sees keys from length - W + 1: give back the rows before,
+            # once there are max(W, MIN_CAPACITY) of them (one move of W - 1 rows per that many tokens)
+            slack = max(window or 0, MIN_CAPACITY)
+            if window is not None and self._length - window + 1 - self._first[layer] >= slack:
+                start = self._length - window + 1
+                # rows held at most until the next move (a decode step's growth): a long prefill's arrays shrink
+                self.store.drop_front(layer, start - self._first[layer], self._length - self._first[layer],
+                                      capacity=window - 1 + slack)
+                self._first[layer] = start
 
     # --- editing -----------------------------------------------------------------------------------------
     def crop(self, max_length: int) -> None:
@@ -162,6 +203,13 @@ class KVCache:
             n = self._length + n
         if not 0 <= n <= self._length:
             raise InputError(f"cannot crop a cache of {self._length} tokens to {max_length}")
+        for window, first in zip(self._windows, self._first):
+            if window is not None and n > 0 and first > max(n - window + 1, 0):
+                raise InputError(f"cannot crop to {n} tokens: a sliding layer (window {window}) gave back the "
+                                 f"rows before position {first}, and a query at {n} sees from "
+                                 f"{max(n - window + 1, 0)}; crop to 0 and recompute")
+        if n == 0:
+            self._first = [0] * len(self)
         self._length = n
 
     def retain(self, rows: Sequence[int], positions: Sequence[int] | None = None,
@@ -173,6 +221,10 @@ class KVCache:
         does it, as the model's RoPE is not known down here. Validated before anything changes; every
         layer's kept rows are computed before the first one is written.
         """
+        if self.trims:
+            raise InputError("this cache gives back its sliding layers' rows before their window, so each layer "
+                             "holds different rows: a cache policy cannot keep rows of it (build it without "
+                             "windows)")
         rows = np.asarray(rows)
         if rows.ndim != 1 or rows.dtype.kind not in "iu" or (rows.size and (
                 rows.min() < 0 or rows.max() >= self._length or np.any(np.diff(rows) <= 0))):
@@ -234,9 +286,14 @@ class KVCache:
 
     def fork(self) -> "KVCache":
         """An independent copy of the filled part: two continuations of one prefix never see each other."""
-        clone = KVCache(self.spec, self.batch_size, self.dtype, store=self.store.copy(self._length))
+        lengths = [self._length - first for first in self._first]
+        store = self.store.copy(lengths if self.trims else self._length)
+        clone = KVCache(self.spec, self.batch_size, self.dtype, store=store, windows=self._windows)
+        if clone._positions.shape[0] < self._length:  # a sliding first layer's store is shorter than the text
+            clone._positions = np.zeros(self._length, dtype=np.int64)
         clone._positions[: self._length] = self._positions[: self._length]
         clone._length = self._length
+        clone._first = list(self._first)
         return clone
 
     def __repr__(self) -> str:
@@ -245,7 +302,8 @@ class KVCache:
 
 
 def new_cache(spec: CacheSpec, batch_size: int = 1, kv_dtype: object = None,
-              capacity: int = MIN_CAPACITY) -> KVCache:
+              capacity: int = MIN_CAPACITY, windows: Sequence[int | None] | None = None) -> KVCache:
     """An empty cache for the model that `spec` describes: what `LlamaModel.new_cache` and
-    `forward(use_cache=True)` ask for, so that the model itself never names a concrete cache class."""
-    return KVCache(spec, batch_size, kv_dtype, capacity)
+    `forward(use_cache=True)` ask for, so that the model itself never names a concrete cache class.
+    `windows` (per layer): sliding layers give back the rows before their window (see the module doc)."""
+    return KVCache(spec, batch_size, kv_dtype, capacity, windows=windows)

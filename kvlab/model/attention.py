@@ -51,7 +51,9 @@ class ContiguousAttention:
     they run only on a cache that can be read in place (`cache.in_place`: a float store). A model whose
     layers differ in window (Gemma's sliding and full layers) gets one plan per window, each layer the
     plan of its own (`ModelConfig.layer_window`); soft-capped scores (Gemma 2) take the NumPy reference,
-    which the kernels do not cap.
+    which the kernels do not cap. A cache whose sliding layers gave back their rows before the window
+    (`cache.layer_start`, kvlab/cache/kv_cache.py) is read from there: that window's plan builds its mask
+    and key ranges over the key positions from that row on.
     """
 
     def __init__(self, cache: Cache | None, positions: np.ndarray, batch: int, config: ModelConfig,
@@ -64,7 +66,10 @@ class ContiguousAttention:
         compiled = compiled and self.logit_cap is None
         self.in_place = compiled and (cache is None or cache.in_place)
         windows = [config.layer_window(i) for i in range(config.num_hidden_layers)]
-        plans = {w: _ContiguousPlan(self, positions, key_positions, config, w) for w in dict.fromkeys(windows)}
+        # the first key row each window's layers hold (every layer of one window keeps the same rows)
+        firsts = {w: 0 if cache is None else cache.layer_start(windows.index(w)) for w in dict.fromkeys(windows)}
+        plans = {w: _ContiguousPlan(self, positions, key_positions[first:], config, w)
+                 for w, first in firsts.items()}
         self.layer_plans = [plans[w] for w in windows]
         self.mask = self.layer_plans[0].mask  # the first layer's (every layer's, but on hybrid models)
         if cache is not None and cache.quantized and any(p.decode is None for p in plans.values()):
@@ -112,7 +117,7 @@ class ContiguousAttention:
         q4 = self._heads_first(q)
         if plan.ranges is not None:
             return self.merge(plan.prefill.prefill_attention(q4, k4, v4, *plan.ranges, self.scale))
-        end = self.num_keys  # a mask the kernels cannot take: the NumPy reference on widened rows
+        end = plan.num_keys  # a mask the kernels cannot take: the NumPy reference on widened rows
         return self.attend(layer, q4, k4[:, :, :end].astype(self.dtype), v4[:, :, :end].astype(self.dtype))
 
 
@@ -123,6 +128,7 @@ class _ContiguousPlan:
     def __init__(self, owner: ContiguousAttention, positions: np.ndarray, key_positions: np.ndarray,
                  config: ModelConfig, window: int | None) -> None:
         batch = owner.batch
+        self.num_keys = num_keys = len(key_positions)  # the rows its layers hold, from their first
         self.mask = attention_mask(positions, key_positions, causal=config.causal, sliding_window=window)
         self.ranges = self.decode = None
         if not owner.in_place:
@@ -131,11 +137,11 @@ class _ContiguousPlan:
 
         self.prefill = prefill_attention
         if owner.num_new == 1 and self.mask is None:  # a decode step that sees every key (no window)
-            starts, ends = np.zeros(batch, dtype=np.int64), np.full(batch, owner.num_keys, dtype=np.int64)
+            starts, ends = np.zeros(batch, dtype=np.int64), np.full(batch, num_keys, dtype=np.int64)
             self.decode = _DecodeCall(decode_kernels, starts, ends, config, owner.dtype)
             return
         # each query's visible keys as one run lo..hi-1; None (some row's keys are not one run): attend
-        self.ranges = prefill_attention.key_ranges(self.mask, batch, owner.num_new, owner.num_keys)
+        self.ranges = prefill_attention.key_ranges(self.mask, batch, owner.num_new, num_keys)
         if self.ranges is not None and owner.num_new == 1:
             lo, hi = self.ranges
             self.decode = _DecodeCall(decode_kernels, lo[:, 0].copy(), hi[:, 0].copy(), config, owner.dtype)
