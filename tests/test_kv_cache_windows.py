@@ -136,3 +136,17 @@ def test_windows_must_name_every_layer():
     m = model(4, (S, F))
     with pytest.raises(InputError, match="one window .* per layer: 2, got 1"):
         new_cache(m.cache_spec, windows=[4])
+
+
+def test_generate_on_a_hybrid_model_trims_its_own_cache_and_keeps_full_recompute_tokens():
+    """kvlab.generate builds a trimming cache for a hybrid model (no policy): greedy tokens equal full
+    recompute's (use_cache=False) far past the window; a cache passed in is used as given."""
+    import kvlab
+
+    m = model(3, (S, S, F))
+    ids = np.array([[(7 * t + 3) % 250 for t in range(45)]])
+    want = kvlab.generate(m, ids, 30, use_cache=False)
+    assert np.array_equal(kvlab.generate(m, ids, 30), want)
+    cache = new_cache(m.cache_spec, windows=windows(m))
+    assert np.array_equal(kvlab.generate(m, ids, 30, cache=cache), want)
+    assert cache.layer_start(0) > 0 and cache[0][0].shape[2] < 3 + MIN_CAPACITY

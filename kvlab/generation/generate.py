@@ -14,7 +14,7 @@ import numpy as np
 
 from kvlab import validate
 from kvlab.cache.dtypes import resolve_kv_dtype
-from kvlab.cache.kv_cache import KVCache
+from kvlab.cache.kv_cache import KVCache, new_cache
 from kvlab.sampling.sampler import Sampler, SamplingParams
 from kvlab.errors import ContextLengthError, InputError
 from kvlab.generation.loop import DecodeLoop
@@ -77,7 +77,12 @@ def stream_generate(model: LlamaModel, ids: Any, max_new_tokens: int | None = No
         return DecodeLoop(lambda tokens: np.zeros(0), Sampler(params), 0, stop, pad=pad)
     if use_cache and cache is None:
         capacity = start + ids.shape[1] + max_new_tokens
-        cache = model.new_cache(ids.shape[0], kv_dtype, capacity if policy is None else min(capacity, policy.budget))
+        if policy is None and model.config.hybrid:  # its own cache: sliding layers keep only their window
+            cache = new_cache(model.cache_spec, ids.shape[0], kv_dtype, capacity,
+                              windows=[model.config.layer_window(i) for i in range(model.config.num_hidden_layers)])
+        else:
+            cache = model.new_cache(ids.shape[0], kv_dtype,
+                                    capacity if policy is None else min(capacity, policy.budget))
     if policy is not None:
         policy.start(cache)
     # Everything above runs at call time, so bad arguments raise here, not at the first next().
