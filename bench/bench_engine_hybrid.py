@@ -1,5 +1,7 @@
 """What a long request holds on a Gemma-3-shaped hybrid model: KV-cache groups vs every layer keeping every token.
 
+(Also the contiguous KVCache, as `kvlab.generate` builds it: sliding layers trimmed vs every row kept.)
+
 A random model with Gemma 3's layer pattern (5 sliding layers per full one; `--layers`, `--window`, 1 KV head,
 head_dim 32 so a run takes seconds) runs one request of `--tokens` tokens (a prompt plus `--new` greedy
 tokens) through the engine. Measured, at the request's longest point: the blocks each KV-cache group held
@@ -21,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvlab import Engine, SamplingParams  # noqa: E402
+from kvlab.cache.kv_cache import new_cache  # noqa: E402
 from kvlab.cache.memory import kv_bytes_per_block  # noqa: E402
 from kvlab.config import ModelConfig  # noqa: E402
 from kvlab.engine.kv_bounds import window_max_blocks  # noqa: E402
@@ -79,6 +82,25 @@ def main() -> None:
     print(f"held / before: {held / before:.3f} (full-attention share alone: "
           f"{len(engine.kv_groups[0].layers) / args.layers:.3f}); greedy tokens equal across chunk budgets: "
           f"{tokens == again}")
+    # the contiguous KVCache (kvlab.generate's): prefill in --chunk pieces, then the decode steps
+    caches = {"every row": new_cache(model.cache_spec),
+              "sliding layers trimmed": new_cache(model.cache_spec, windows=[
+                  model.config.layer_window(i) for i in range(args.layers)])}
+    greedy = {}
+    for name, cache in caches.items():
+        for start in range(0, len(prompt), args.chunk):
+            logits = model.forward([prompt[start:start + args.chunk]], cache=cache, logits_to_keep=1).logits
+        out = []
+        for _ in range(args.new - 1):
+            out.append(int(logits[0, -1].argmax()))
+            logits = model.forward([[out[-1]]], cache=cache).logits
+        greedy[name] = out
+    plain, trimmed = (c.memory_report() for c in caches.values())
+    print(f"contiguous KVCache at {trimmed.num_tokens} tokens: payload {trimmed.payload_bytes:,} of "
+          f"{plain.payload_bytes:,} ({trimmed.payload_bytes / plain.payload_bytes:.3f}), capacity "
+          f"{trimmed.capacity_bytes:,} of {plain.capacity_bytes:,} "
+          f"({trimmed.capacity_bytes / plain.capacity_bytes:.3f}); greedy tokens equal: "
+          f"{len(set(map(tuple, greedy.values()))) == 1}")
 
 
 if __name__ == "__main__":
