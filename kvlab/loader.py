@@ -17,6 +17,7 @@ from kvlab.errors import ConfigError
 from kvlab.gguf.loader import gguf_file, load_gguf
 from kvlab.hf import generation_config, loader as hf
 from kvlab.model.act_quant import check_activations
+from kvlab.model.heap import release_free_memory
 from kvlab.model.llama import LlamaModel
 from kvlab.sampling.defaults import ModelSampling
 from kvlab.tokenizer import HFTokenizer
@@ -68,6 +69,8 @@ def load_model(path: str | Path | None = None, dtype: Any = DEFAULT_COMPUTE_DTYP
 def _with_activations(model: LlamaModel, activations: str | None) -> LlamaModel:
     if activations is not None:
         model.set_activations(activations)
+        if model.quantized:  # the layout the mode does not read was dropped: give its pages back
+            release_free_memory()
     return model
 
 

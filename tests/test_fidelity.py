@@ -128,8 +128,8 @@ def test_weight_fidelity_of_int8_activations_adds_their_rounding():
     _, weights_only, rounded = rows
     assert 0 < weights_only.kl_mean < rounded.kl_mean
     assert rounded.file_bytes_per_weight == weights_only.file_bytes_per_weight == 1.0625
-    # resident: codes + float32 scales (1.125), and for q8 the integer kernels' copy of the tiles beside it:
-    # codes + float16 scales (1.0625) of every row in a tile of eight (the tail rows have one layout)
+    # resident: codes + float32 scales (1.125); for q8 the integer kernels' layout of the tiles instead (one
+    # copy of the codes): codes + float16 scales (1.0625) of every row in a tile of eight, the tail rows 1.125
     from kvlab.model.quantized import quantize_weights
 
     matrices = [w for w in quantize_weights(weights, "q8_0").values() if np.ndim(w) == 2]
@@ -137,6 +137,7 @@ def test_weight_fidelity_of_int8_activations_adds_their_rounding():
     count = sum(w.shape[0] * w.shape[1] for w in matrices)
     assert 0.9 < tiled / count < 1
     assert weights_only.resident_bytes_per_weight == 1.125
-    assert rounded.resident_bytes_per_weight == pytest.approx(1.125 + 1.0625 * tiled / count, rel=1e-12)
+    assert rounded.resident_bytes_per_weight == pytest.approx((1.0625 * tiled + 1.125 * (count - tiled)) / count,
+                                                               rel=1e-12)
     with pytest.raises(InputError, match=r"unknown activations in 'q8_0\+q4'"):
         weight_fidelity(config, weights, ids, 0, ["q8_0+q4"])

@@ -22,6 +22,7 @@ from kvlab.gguf.reader import GGUFFile, read_gguf
 from kvlab.gguf.tensors import read_weights, split_fused, weight_plan
 from kvlab.gguf.tokenizer import tokenizer_from_metadata
 from kvlab.progress import weight_progress
+from kvlab.model.heap import release_free_memory
 from kvlab.model.llama import LlamaModel
 from kvlab.tokenizer import HFTokenizer
 
@@ -100,4 +101,7 @@ def load_gguf(path: str | Path, dtype: Any = "float32", progress: bool | None = 
     model = LlamaModel(checkpoint.config, weights=split_fused(checkpoint.config, checkpoint.weights), dtype=dtype,
                        source=str(checkpoint.path),
                        backend=backend, weights_dtype="auto" if keep else None)
-    return model, checkpoint.tokenizer
+    tokenizer = checkpoint.tokenizer
+    del checkpoint
+    release_free_memory()  # the unpacking's temporaries: freed, but held by malloc until trimmed
+    return model, tokenizer

@@ -62,6 +62,20 @@ class GGUFFile:
         info = self.tensors[name]
         return self.data[info.start:info.start + info.nbytes]
 
+    def release(self, name: str) -> None:
+        """Drop the tensor's pages from this process's resident set once they are read (the file stays in
+        the page cache): a mapped page counts in RSS until unmapped, so reading a file whole otherwise
+        peaks at the weights as kept plus the whole file (measured: 1.57 GiB for a 578 MiB Q4_0 file)."""
+        buffer = getattr(self.data, "_mmap", None)  # np.memmap's mmap object
+        if buffer is None or not hasattr(buffer, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        info = self.tensors[name]
+        offset = getattr(self.data, "offset", 0)
+        start = (offset + info.start) // mmap.PAGESIZE * mmap.PAGESIZE
+        stop = min(offset + info.start + info.nbytes, len(buffer))
+        if stop > start:
+            buffer.madvise(mmap.MADV_DONTNEED, start, stop - start)
+
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
 

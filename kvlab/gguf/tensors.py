@@ -99,7 +99,7 @@ def split_fused(config: ModelConfig, weights: dict[str, Any]) -> dict[str, Any]:
             matrix, row = out.pop(p + fused), 0
             for part, rows in parts:
                 piece = slice(row, row + rows)
-                out[p + part] = matrix.take_rows(piece) if isinstance(matrix, QuantizedMatrix) else matrix[piece]
+                out[p + part] = matrix.row_view(row, row + rows) if isinstance(matrix, QuantizedMatrix) else matrix[piece]
                 row += rows
     return out
 
@@ -192,6 +192,35 @@ def read_weights(gguf: GGUFFile, config: ModelConfig, plan: dict[str, TensorInfo
             else:
                 array = unpermute_rows(array, heads)
         weights[name] = array
+        gguf.release(info.name)  # read: its pages leave the resident set
+        if keep_stored:
+            stack_parts(weights, name)
         if on_tensor is not None:
             on_tensor(info.nbytes)
     return weights
+
+
+# the matrices a model stacks by rows (model/llama.py's _quantized_layers): q, k, v and gate, up
+STACKED_PARTS = (("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+                 ("mlp.gate_proj.weight", "mlp.up_proj.weight"))
+
+
+def stack_parts(weights: dict[str, Any], name: str) -> None:
+    """Once the last of a layer's q/k/v (or gate/up) is read, store them as row views of one stacked
+    QuantizedMatrix (when their types agree), so the model's stacking finds the stack and copies nothing:
+    building a model then holds one copy of the codes, not the parts beside their stack (a 1B Q4_0 file
+    peaked at 1.5 GiB for 0.75 GiB of codes)."""
+    match = re.fullmatch(r"(model\.layers\.\d+\.)(.+)", name)
+    if match is None:
+        return
+    prefix, part = match.groups()
+    for group in STACKED_PARTS:
+        if part not in group or not all(prefix + p in weights for p in group):
+            continue
+        parts = [weights[prefix + p] for p in group]
+        if not QuantizedMatrix.can_concat(parts):
+            return
+        stack, row = QuantizedMatrix.concat(parts), 0
+        for p, matrix in zip(group, parts):
+            weights[prefix + p] = stack.row_view(row, row + matrix.shape[0])
+            row += matrix.shape[0]

@@ -168,6 +168,7 @@ class LlamaModel:
         self._fingerprint = self._weights_fingerprint if self.activations == "float32" else hashlib.sha256(
             f"{self._weights_fingerprint}|activations={self.activations}".encode()).hexdigest()
         self.ops = make_ops(self.backend, self.config, self.dtype, self.quantized, self.activations)
+        self._bound_layers = []  # the old binding's arrays go first: a layout change holds one matrix twice, not all
         self._bound_layers = self.ops.bind(self.layers)
 
     def _fuse_layers(self, cast: Mapping[str, np.ndarray]) -> list[Layer]:

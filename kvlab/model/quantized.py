@@ -13,16 +13,16 @@ row concatenation (q/k/v and gate/up are fused on load when their types agree) a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
+import hashlib
+import threading
 from typing import Mapping, Sequence
 
 import numpy as np
 
 from kvlab.errors import InputError
-from kvlab.model.ggml_quants import BLOCK_SIZES, Unpacked, dequantize, unpack
+from kvlab.model.ggml_quants import BLOCK_SIZES, OFFSET_TYPES, Unpacked, dequantize, unpack
 from kvlab.model.act_quant import rounded
-from kvlab.model.qtiles import LANES, from_tiles, gather_rows, row_ordered, to_dot_codes, to_tiles
+from kvlab.model.qtiles import LANES, from_dot_codes, gather_dot_codes, gather_rows, to_dot_codes, to_tiles
 
 MAX_KERNEL_ROWS = 16
 # Types kvlab can encode (llama.cpp's reference encoders in the gguf package); every ggml_quants type reads.
@@ -30,14 +30,25 @@ QUANTIZE_TYPES = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
 TILE_VALUES = 1 << 18  # float32 values of one dequantized tile in a prefill product (1 MiB: stays in L2)
 
 
-@dataclass(frozen=True, eq=False)
 class QuantizedMatrix:
-    """[N, K] weights as the kernels read them: `tiles` (whole tiles of 8 rows interleaved) and `tail` (the
-    N % 8 rows after them, row-ordered), both codes/scales/offsets (model/qtiles.py, model/ggml_quants.py)."""
+    """[N, K] weights as the kernels read them: the whole tiles of 8 rows in ONE of two layouts, and `tail`
+    (the N % 8 rows after them, row-ordered codes/scales/offsets, model/qtiles.py, model/ggml_quants.py).
 
-    type_name: str
-    tiles: Unpacked
-    tail: Unpacked
+    The layouts: `tiles`, the float kernels' (codes, float32 scales and offsets, interleaved by row: the
+    exact products, kernels/qgemv.py), and `dot_layout`, the integer kernels' (codes in quads, float16
+    scales where exact, Q4_0's offsets folded into a bias: `activations="q8"`, kernels/qdot.py). Asking
+    for one converts from the other and drops it (a permutation of the same codes, the same values), so a
+    model keeps one copy of its codes in either mode; the embedding lookup, `rows`, `dequantize` and the
+    NumPy reference read whichever layout is resident without converting. A conversion happens when a
+    model binds its kernels (LlamaModel.set_activations), once per matrix, under a lock."""
+
+    def __init__(self, type_name: str, tiles: Unpacked, tail: Unpacked) -> None:
+        self.type_name = type_name
+        self.tail = tail
+        self._tiles: Unpacked | None = tiles
+        self._dot: tuple[np.ndarray, np.ndarray, np.ndarray, int] | None = None
+        self._lock = threading.Lock()
+        self.view_of: tuple[QuantizedMatrix, int, int] | None = None  # (matrix, start, stop): see row_view
 
     @classmethod
     def from_unpacked(cls, type_name: str, unpacked: Unpacked) -> "QuantizedMatrix":
@@ -58,49 +69,114 @@ class QuantizedMatrix:
         raw = gguf.quants.quantize(np.ascontiguousarray(weight, dtype=np.float32), kind)
         return cls.from_blocks(type_name, raw, tuple(weight.shape))
 
+    # --- the two layouts ----------------------------------------------------------------------------------
+    @property
+    def layout(self) -> str:
+        """Which layout of the tiles is resident: "float" (`tiles`) or "dot" (`dot_layout`)."""
+        return "float" if self._tiles is not None else "dot"
+
+    @property
+    def tiles(self) -> Unpacked:
+        """The float kernels' layout (converted back from the dot layout, which is dropped, if that is the
+        resident one)."""
+        with self._lock:
+            if self._tiles is None:
+                self._tiles, self._dot = self._float_tiles(), None
+            return self._tiles
+
+    @property
+    def dot_layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """(codes, scales, offsets, bias): the tiles as the integer kernels read them (kernels/qdot.py),
+        made from the float layout, which is dropped. Codes in quads (qtiles.to_dot_codes); scales float16
+        where that is exact (the file's own float16: every type but the K types), else the float32 ones;
+        Q4_0's offsets (-8 * scale) folded into bias 8 rather than read; int8 codes bias 128 (the kernel's
+        code + 128). float16 scales travel as their bits (uint16): numba has no float16 arrays."""
+        with self._lock:
+            if self._dot is None:
+                self._dot, self._tiles = self._make_dot(self._tiles), None
+            return self._dot
+
+    def _make_dot(self, t: Unpacked) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        codes = to_dot_codes(t.codes, self.tail.scales.shape[1])
+        with np.errstate(over="ignore"):  # a K type's product scale past float16's range: kept float32
+            half = t.scales.astype(np.float16)
+        scales = half.view(np.uint16) if np.array_equal(half.astype(np.float32), t.scales) else t.scales
+        no_offsets = np.zeros((0, 0), dtype=np.float32)
+        if not t.nibbles:
+            return codes, scales, no_offsets if t.offsets is None else t.offsets, 128
+        if t.offsets is not None and np.array_equal(t.offsets, t.scales * np.float32(-8)):
+            return codes, scales, no_offsets, 8
+        return codes, scales, no_offsets if t.offsets is None else t.offsets, 0
+
+    def _dot_scales_offsets(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """The dot layout's tiled scales and offsets as the float layout holds them (float32, exact)."""
+        _, scales, offsets, bias = self._dot
+        scales = scales.view(np.float16).astype(np.float32) if scales.dtype == np.uint16 else scales
+        if self.tail.offsets is None:  # the tail keeps offsets exactly when the tiles had them
+            return scales, None
+        return scales, (scales * np.float32(-8) if bias == 8 else offsets)
+
+    def _float_tiles(self) -> Unpacked:
+        """The float layout, whichever is resident (a new array when it is the dot layout)."""
+        if self._tiles is not None:
+            return self._tiles
+        scales, offsets = self._dot_scales_offsets()
+        return Unpacked(from_dot_codes(self._dot[0], self.tail.scales.shape[1]), scales, offsets, self.group)
+
     # --- array-like -------------------------------------------------------------------------------------
     @property
     def group(self) -> int:
-        return self.tiles.group
+        return self.tail.group
 
     @property
     def unpacked(self) -> Unpacked:
         """Row-ordered codes, scales, offsets (a transpose of the tiles: for load-time work, not per step)."""
-        return from_tiles(self.tiles, self.tail)
+        return self.rows(slice(None))
 
     @property
     def scales(self) -> np.ndarray:
         """[N, K / group] float32, row order."""
-        return row_ordered(self.tiles.scales, self.tail.scales, self.tail.scales.shape[1])
+        return self.rows(slice(None), codes=False).scales
 
     @property
     def offsets(self) -> np.ndarray | None:
-        return row_ordered(self.tiles.offsets, self.tail.offsets, self.tail.scales.shape[1])
+        return self.rows(slice(None), codes=False).offsets
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (self.tiles.scales.shape[0] * LANES + self.tail.scales.shape[0],
-                self.tail.scales.shape[1] * self.group)
+        groups = self.tail.scales.shape[1]
+        tiles = self._tiles.scales.shape[0] if self._tiles is not None else self._dot[0].shape[0]
+        return (tiles * LANES + self.tail.scales.shape[0], groups * self.group)
 
     ndim = 2
 
     @property
     def nbytes(self) -> int:
-        """Resident bytes (codes + scales + offsets; no row is padded)."""
-        return sum(a.nbytes for part in (self.tiles, self.tail)
-                   for a in (part.codes, part.scales, part.offsets) if a is not None)
-
-    @property
-    def dot_nbytes(self) -> int:
-        """Bytes of the integer kernels' copy of the tiles (`dot_layout`, made when activations="q8" first
-        runs): kept beside the float layout, which the embedding lookup, prefill bands and the exact mode
-        read, so a q8 model holds the tiles' codes twice."""
-        return sum(a.nbytes for a in self.dot_layout[:3])
+        """Resident bytes (the resident layout's codes, scales and offsets, and the tail's; no row padded)."""
+        with self._lock:
+            arrays = (self._dot[:3] if self._tiles is None else
+                      (self._tiles.codes, self._tiles.scales, self._tiles.offsets))
+            tail = (self.tail.codes, self.tail.scales, self.tail.offsets)
+            return sum(a.nbytes for a in (*arrays, *tail) if a is not None)
 
     def resident_bytes(self, activations: str = "float32") -> int:
-        """What a model computing with `activations` keeps of this matrix: the stored layout, plus its dot
-        layout for "q8"."""
-        return self.nbytes + (self.dot_nbytes if activations == "q8" else 0)
+        """What a model computing with `activations` keeps of this matrix: the float layout, or for "q8" the
+        dot layout (codes alike; scales float16 where exact; no offsets for Q4_0), plus the tail. Counted
+        without converting: the arrays' sizes follow from the type and shape."""
+        want = "dot" if activations == "q8" else "float"
+        if want == self.layout:
+            return self.nbytes
+        tiled = self.shape[0] - self.tail.scales.shape[0]
+        groups = self.tail.scales.shape[1]
+        codes = (self._tiles.codes if self._tiles is not None else self._dot[0]).nbytes
+        tail = sum(a.nbytes for a in (self.tail.codes, self.tail.scales, self.tail.offsets) if a is not None)
+        if want == "float":
+            per_group = 4 * (2 if self.type_name in OFFSET_TYPES else 1)
+            return codes + tiled * groups * per_group + tail
+        half = self._tiles.scales.astype(np.float16)  # exact in float16: as `_make_dot` decides
+        scale = 2 if np.array_equal(half.astype(np.float32), self._tiles.scales) else 4
+        offset = 4 if self._tiles.offsets is not None and self.type_name != "Q4_0" else 0
+        return codes + tiled * groups * (scale + offset) + tail
 
     @property
     def file_bytes(self) -> int:
@@ -112,13 +188,48 @@ class QuantizedMatrix:
         return self.shape[0]
 
     def __repr__(self) -> str:
-        return f"QuantizedMatrix({self.type_name}, shape={self.shape}, nbytes={self.nbytes})"
+        return f"QuantizedMatrix({self.type_name}, shape={self.shape}, layout={self.layout}, nbytes={self.nbytes})"
 
-    def rows(self, index: np.ndarray | slice) -> Unpacked:
-        """Rows `index` (a permutation, a gather or a slice) row-ordered, read from the tiles directly."""
+    def rows(self, index: np.ndarray | slice, codes: bool = True) -> Unpacked:
+        """Rows `index` (a permutation, a gather or a slice) row-ordered, read from the resident layout
+        directly (no conversion: an embedding lookup costs the rows it takes); `codes=False` leaves the
+        codes out (None): scales and offsets only."""
         if isinstance(index, slice):
             index = np.arange(self.shape[0])[index]
-        return gather_rows(self.tiles, self.tail, index)
+        with self._lock:
+            if self._tiles is not None:
+                t = self._tiles
+                return gather_rows(t if codes else Unpacked(None, t.scales, t.offsets, t.group), self.tail, index)
+            index = np.asarray(index, dtype=np.int64).reshape(-1)
+            scales, offsets = self._dot_scales_offsets()
+            picked = gather_rows(Unpacked(None, scales, offsets, self.group), self.tail, index)  # codes below
+            if not codes:
+                return picked
+            whole = scales.shape[0] * LANES
+            in_tiles = index < whole
+            codes = np.empty((index.shape[0], self.tail.codes.shape[1]), dtype=self.tail.codes.dtype)
+            codes[in_tiles] = gather_dot_codes(self._dot[0], index[in_tiles])
+            codes[~in_tiles] = self.tail.codes[index[~in_tiles] - whole]
+            return Unpacked(codes, picked.scales, picked.offsets, self.group)
+
+    def row_view(self, start: int, stop: int) -> "QuantizedMatrix":
+        """Rows start:stop sharing this matrix's arrays when both ends fall on tile boundaries (or stop is
+        the last row), else a copy (`take_rows`). Why: a reader that stacks q/k/v (gate/up) once hands the
+        model views of the stack, and `concat` of the views in order gives the stack back, so a model is
+        built with one copy of its codes, not the parts and their stack side by side."""
+        rows = self.shape[0]
+        whole = rows - self.tail.scales.shape[0]
+        if self._tiles is None or start % LANES or (stop % LANES and stop != rows) or not 0 <= start <= stop <= rows:
+            return self.take_rows(slice(start, stop))
+        t0, t1 = start // LANES, max(start, min(stop, whole)) // LANES
+        t = self._tiles
+        tiles = Unpacked(t.codes[t0:t1], t.scales[t0:t1], None if t.offsets is None else t.offsets[t0:t1], t.group)
+        tail = self.tail if stop == rows else Unpacked(
+            self.tail.codes[:0].copy(), self.tail.scales[:0].copy(),
+            None if self.tail.offsets is None else self.tail.offsets[:0].copy(), self.tail.group)
+        view = QuantizedMatrix(self.type_name, tiles, tail)
+        view.view_of = (self, start, stop)
+        return view
 
     def take_rows(self, index: np.ndarray | slice) -> "QuantizedMatrix":
         """The matrix of rows `index` (a permutation, a gather or a slice)."""
@@ -138,11 +249,29 @@ class QuantizedMatrix:
         """Rows of `parts` one after another (q, k, v -> qkv); they must satisfy `can_concat`."""
         if not QuantizedMatrix.can_concat(parts):
             raise ValueError("only matrices of one quantization type, group and width stack")
+        whole = parts[0].view_of[0] if parts[0].view_of else None
+        spans = [p.view_of[1:] if p.view_of and p.view_of[0] is whole else None for p in parts]
+        if whole is not None and None not in spans and spans[0][0] == 0 and spans[-1][1] == whole.shape[0] \
+                and all(a[1] == b[0] for a, b in zip(spans, spans[1:])):
+            return whole  # views of one matrix, in order and covering it: that matrix, no copy
         rows = [p.unpacked for p in parts]
         offsets = None if rows[0].offsets is None else np.concatenate([u.offsets for u in rows])
         joined = Unpacked(np.concatenate([u.codes for u in rows]), np.concatenate([u.scales for u in rows]),
                           offsets, parts[0].group)
         return QuantizedMatrix.from_unpacked(parts[0].type_name, joined)
+
+    def fingerprint_into(self, digest: "hashlib._Hash") -> None:
+        """`digest.update(self.fingerprint_bytes())`, fed a band of rows at a time: the same digest without
+        the whole row-ordered copy (and its bytes, twice) that building the bytes takes."""
+        digest.update(self.type_name.encode() + b"\0" + str(self.group).encode())
+        rows = self.shape[0]
+        step = max(LANES, TILE_VALUES // self.shape[1] * LANES)
+        fields = ("codes", "scales") + (() if self.tail.offsets is None else ("offsets",))
+        for field in fields:
+            digest.update(b"\0")
+            for start in range(0, rows, step):
+                band = self.rows(slice(start, start + step), codes=field == "codes")
+                digest.update(np.ascontiguousarray(getattr(band, field)).reshape(-1).view(np.uint8))
 
     def fingerprint_bytes(self) -> bytes:
         """Canonical bytes of the weights (type, group, codes, scales, offsets, row-ordered: the layout the
@@ -158,26 +287,6 @@ class QuantizedMatrix:
         """Rows `rows` as floats, exactly the file's dequantized values (the reference)."""
         part = self.unpacked if rows == slice(None) else self.rows(rows)
         return dequantize(part, np.dtype(dtype))
-
-    @cached_property
-    def dot_layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        """(codes, scales, offsets, bias): the tiles as the integer kernels read them (kernels/qdot.py), made
-        on first use by `activations="q8"` and kept beside the float layout (the prefill bands and embeddings
-        read that). Codes in quads (qtiles.to_dot_codes); scales float16 where that is exact (the file's
-        own float16: every type but the K types), else the float32 ones; Q4_0's offsets (-8 * scale) folded
-        into bias 8 rather than read; int8 codes bias 128 (the kernel's code + 128). float16 scales travel as
-their bits (uint16): numba has no float16 arrays."""
-        t = self.tiles
-        codes = to_dot_codes(t.codes, self.tail.scales.shape[1])
-        with np.errstate(over="ignore"):  # a K type's product scale past float16's range: kept float32
-            half = t.scales.astype(np.float16)
-        scales = half.view(np.uint16) if np.array_equal(half.astype(np.float32), t.scales) else t.scales
-        no_offsets = np.zeros((0, 0), dtype=np.float32)
-        if not t.nibbles:
-            return codes, scales, no_offsets if t.offsets is None else t.offsets, 128
-        if t.offsets is not None and np.array_equal(t.offsets, t.scales * np.float32(-8)):
-            return codes, scales, no_offsets, 8
-        return codes, scales, no_offsets if t.offsets is None else t.offsets, 0
 
     def matmul_t(self, x: np.ndarray, compiled: bool = True, activations: str = "float32") -> np.ndarray:
         """x [..., K] @ W.T -> [..., N] in x's dtype: the compiled kernel for a few rows, else tiles + BLAS.

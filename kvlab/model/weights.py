@@ -183,7 +183,7 @@ def fingerprint(config: ModelConfig, dtype: np.dtype, weights: Mapping[str, np.n
     for name in sorted(weights):
         if isinstance(weights[name], QuantizedMatrix):
             digest.update(f"{name}|{weights[name].type_name}|{weights[name].shape}".encode())
-            digest.update(weights[name].fingerprint_bytes())
+            weights[name].fingerprint_into(digest)
             continue
         array = np.ascontiguousarray(weights[name])
         digest.update(f"{name}|{array.dtype.name}|{array.shape}".encode())
