@@ -140,11 +140,11 @@ def stages(path: str, activations: str) -> dict:
     return {"stages": rows, "weights_mib": weights, "kv_mib": kv, "file_mib": os.path.getsize(path) / MIB}
 
 
-def predicted(path: str, activations: str) -> dict:
-    """`kvlab memory --model FILE --json` for the run's tokens (its predicted peak)."""
-    from kvlab.cli.memory import predicted_peak
-
-    return predicted_peak(path, tokens=64, activations=activations)
+def predicted(path: str, activations: str, tokens: int) -> dict:
+    """`kvlab memory --model FILE --tokens N --activations MODE --json`'s predicted peak (bytes by part)."""
+    out = subprocess.run([sys.executable, "-m", "kvlab", "memory", "--model", path, "--tokens", str(tokens),
+                          "--activations", activations, "--json"], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)["predicted_peak"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,9 +166,10 @@ def main(argv: list[str] | None = None) -> int:
             row = {"file": path, "file_mib": os.path.getsize(path) / MIB, "activations": mode,
                    "generate_peak_mib": peak / MIB, "seconds": seconds, "stats": line}
             try:
-                row["predicted"] = predicted(path, mode)
-            except (ImportError, AttributeError):
-                pass
+                prompt = int(line.split("prompt ")[1].split(" tokens")[0]) if "prompt " in line else 1
+                row["predicted"] = predicted(path, mode, prompt + NEW_TOKENS)
+            except (subprocess.CalledProcessError, KeyError, ValueError, IndexError):
+                pass  # a checkout whose `kvlab memory` predicts no peak
             if not args.no_stages:
                 out = subprocess.run([sys.executable, __file__, "--stages-of", path, mode], check=True,
                                      capture_output=True, text=True).stdout
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = ["| file | MiB | activations | `kvlab generate` peak MiB | peak / file | predicted MiB |",
              "|---|---:|---|---:|---:|---:|"]
     for r in results:
-        pred = r.get("predicted", {}).get("peak_bytes")
+        pred = r.get("predicted", {}).get("peak")
         lines.append(f"| {Path(r['file']).name} | {r['file_mib']:.0f} | {r['activations']} | "
                      f"{r['generate_peak_mib']:.0f} | {r['generate_peak_mib'] / r['file_mib']:.2f} | "
                      f"{'' if pred is None else f'{pred / MIB:.0f}'} |")

@@ -43,6 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "default the cache dtype when it is a float dtype, else the model's dtype (vLLM's "
                    "mamba_cache_dtype auto)")
     p.add_argument("--budget", help="memory for the cache, e.g. 8GiB or 1000000: how many tokens fit")
+    p.add_argument("--activations", choices=("float32", "q8"), default="float32",
+                   help="a .gguf model's products, as generate --activations runs them: the predicted peak "
+                   "counts the weights in that mode's layout (default float32)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=run)
 
@@ -73,25 +76,52 @@ def _own_dtype(model: SizedModel) -> str:
 def gguf_weight_bytes(path: str) -> dict[str, int] | None:
     """Resident weight bytes of a GGUF file's tensors, from its directory alone: kept as stored (what
     `kvlab.load` keeps: block types unpacked as codes + float32 scales/offsets, F16/BF16 half, the rest
-    float32) and dequantized to float32 (`weights_dtype="float32"`). None for an HF model."""
+    float32), the same with `activations="q8"` (the integer kernels' layout instead: the file's own bytes
+    for the float16-scale types), dequantized to float32 (`weights_dtype="float32"`), the file's tensor
+    bytes, and the largest tensor as stored (what a load holds twice for a moment). None for an HF model."""
     from kvlab.gguf.loader import gguf_file
     from kvlab.gguf.reader import read_gguf
-    from kvlab.model.ggml_quants import BLOCK_SIZES, resident_bytes
+    from kvlab.model.ggml_quants import BLOCK_SIZES
+    from kvlab.model.quantized import predicted_bytes
 
     found = gguf_file(path)
     if found is None:
         return None
-    stored = float32 = 0
+    stored = q8 = float32 = file = largest = 0
     for info in read_gguf(found).tensors.values():
         count = 1
         for size in info.shape:
             count *= size
         float32 += 4 * count
+        file += info.nbytes
         if len(info.shape) == 2 and info.type_name in BLOCK_SIZES:
-            stored += resident_bytes(info.type_name, info.shape)
+            kept, kept_q8 = (predicted_bytes(info.type_name, info.shape, mode) for mode in ("float32", "q8"))
         else:
-            stored += count * (2 if len(info.shape) == 2 and info.type_name in ("F16", "BF16") else 4)
-    return {"weights_stored": stored, "weights_float32": float32}
+            kept = kept_q8 = count * (2 if len(info.shape) == 2 and info.type_name in ("F16", "BF16") else 4)
+        stored, q8, largest = stored + kept, q8 + kept_q8, max(largest, kept)
+    return {"weights_stored": stored, "weights_stored_q8": q8, "weights_float32": float32, "file_tensors": file,
+            "largest_stored": largest}
+
+
+# What a `kvlab generate` process holds besides weights and K/V, measured (bench/bench_memory.py, a 1B-shaped
+# Q4_0 and Q8_0 file, Python 3.11, NumPy 2, numba 0.6x, AMD EPYC, 2026-12-05): the interpreter, NumPy,
+# numba and the loaded kernels, the tokenizer (~150 MiB once loaded), then the kernels' warm-up and the
+# step buffers (195-230 MiB in all while generating). While loading, the largest tensor is held about
+# 1.25 times more (its unpacking temporaries), with every matrix in the float layout.
+RUNTIME_LOAD_BYTES = 150 << 20
+RUNTIME_RUN_BYTES = 235 << 20
+LOAD_TRANSIENT = 1.25
+
+
+def predicted_peak(weights: dict[str, int], kv_bytes: int, activations: str = "float32") -> dict[str, int]:
+    """The peak RSS of a process that loads the file and runs `kv_bytes` of K/V: the larger of the load
+    (every matrix in the float layout + the largest tensor's temporaries + the runtime so far) and the run
+    (the weights in the mode's layout + K/V + the runtime), each part named."""
+    resident = weights["weights_stored_q8" if activations == "q8" else "weights_stored"]
+    load = weights["weights_stored"] + int(LOAD_TRANSIENT * weights["largest_stored"]) + RUNTIME_LOAD_BYTES
+    run = resident + kv_bytes + RUNTIME_RUN_BYTES
+    return {"weights": resident, "kv": kv_bytes, "runtime": RUNTIME_RUN_BYTES, "load_peak": load, "run_peak": run,
+            "peak": max(load, run)}
 
 
 @dataclass(frozen=True)
@@ -224,7 +254,11 @@ def run(args: argparse.Namespace) -> int:
     weights = gguf_weight_bytes(path) if path else None
     if weights is not None:
         result["weight_bytes_stored"] = weights["weights_stored"]
+        result["weight_bytes_stored_q8"] = weights["weights_stored_q8"]
         result["weight_bytes_float32"] = weights["weights_float32"]
+        result["file_tensor_bytes"] = weights["file_tensors"]
+        result["activations"] = args.activations
+        result["predicted_peak"] = predicted_peak(weights, int(kv_bytes + state_bytes), args.activations)
     if budget is not None:
         result["budget_bytes"] = budget
         result["tokens_in_budget"] = specs_tokens_in_budget(specs, budget, batch, dtype, state_dtype)
@@ -264,8 +298,16 @@ def _print(result: dict[str, Any], model: SizedModel, rows: list[GroupBytes], un
         con.print(f"full attention on every attention layer would hold {human_bytes(float(unwindowed))} of K/V: "
                   f"this holds {result['kv_bytes'] / unwindowed:.3f} of it")
     if weights is not None:
+        peak = result["predicted_peak"]
+        con.print(f"predicted peak RSS, {tokens:,} tokens x batch {batch}, activations {result['activations']}: "
+                  f"[bold]{human_bytes(peak['peak'])}[/]; running: weights {human_bytes(peak['weights'])} + K/V "
+                  f"{human_bytes(peak['kv'])} + runtime {human_bytes(peak['runtime'])} = "
+                  f"{human_bytes(peak['run_peak'])}; loading: {human_bytes(peak['load_peak'])} (every matrix in the "
+                  "float layout, the largest one's temporaries)")
         con.print(f"weights resident: [bold]{human_bytes(weights['weights_stored'])}[/] as stored (GGUF blocks "
-                  f"as codes + float32 scales), {human_bytes(weights['weights_float32'])} dequantized to float32")
+                  f"as codes + float32 scales), {human_bytes(weights['weights_stored_q8'])} with --activations q8 "
+                  f"(the file's tensors: {human_bytes(weights['file_tensors'])}), "
+                  f"{human_bytes(weights['weights_float32'])} dequantized to float32")
     if budget is not None:
         fit = result["tokens_in_budget"]
         con.print(f"budget {human_bytes(budget)} holds " + (

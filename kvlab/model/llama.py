@@ -43,7 +43,7 @@ from kvlab.model.attention import Attention, ContiguousAttention, ObservedAttent
 from kvlab.model.batch import BatchInput
 from kvlab.model.layers import softcap
 from kvlab.model.ops import Rope, make_ops
-from kvlab.model.quantized import QuantizedMatrix, stack_rows
+from kvlab.model.quantized import QuantizedMatrix, prepare_layout, stack_rows
 from kvlab.model.rope import RopeTables, rotary_row_order
 from kvlab.model.weights import check_weights, fingerprint, random_weights, resolve_weights_dtype
 
@@ -170,6 +170,10 @@ class LlamaModel:
         self.ops = make_ops(self.backend, self.config, self.dtype, self.quantized, self.activations)
         self._bound_layers = []  # the old binding's arrays go first: a layout change holds one matrix twice, not all
         self._bound_layers = self.ops.bind(self.layers)
+        mode = self.activations if self.backend == "numba" else "float32"  # the layout the products read
+        for matrix in (self.embed, self.lm_head, *(getattr(layer, name) for layer in self.layers
+                                                   for name in ("w_qkv", "w_o", "w_gate_up", "w_down"))):
+            prepare_layout(matrix, mode)  # one layout everywhere, settled now: the embedding lookup reads either
 
     def _fuse_layers(self, cast: Mapping[str, np.ndarray]) -> list[Layer]:
         """Per-layer fused matrices, all in one buffer in the order a forward reads them.

@@ -26,8 +26,10 @@ LANES = 8
 def _interleave(values: np.ndarray, tiles: int, groups: int) -> np.ndarray:
     """[8T, G * w] row-ordered -> [T, G * w * 8]: per tile, group, and column, the 8 rows side by side."""
     width = values.shape[1] // groups
+    if tiles == 0:  # a new empty array: an empty view would keep the whole row-ordered `values` alive
+        return np.empty((0, groups * width * LANES), dtype=values.dtype)
     shaped = values[:tiles * LANES].reshape(tiles, LANES, groups, width)
-    return np.ascontiguousarray(shaped.transpose(0, 2, 3, 1)).reshape(tiles, groups * width * LANES)
+    return shaped.transpose(0, 2, 3, 1).copy().reshape(tiles, groups * width * LANES)  # always a copy (see tiles == 0)
 
 
 def _deinterleave(tiled: np.ndarray, groups: int) -> np.ndarray:

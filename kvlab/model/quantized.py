@@ -20,7 +20,8 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from kvlab.errors import InputError
-from kvlab.model.ggml_quants import BLOCK_SIZES, OFFSET_TYPES, Unpacked, dequantize, unpack
+from kvlab.model.ggml_quants import (BLOCK_SIZES, GROUPS, NIBBLE_TYPES, OFFSET_TYPES, Unpacked, dequantize,
+                                     resident_bytes, unpack)
 from kvlab.model.act_quant import rounded
 from kvlab.model.qtiles import LANES, from_dot_codes, gather_dot_codes, gather_rows, to_dot_codes, to_tiles
 
@@ -28,6 +29,26 @@ MAX_KERNEL_ROWS = 16
 # Types kvlab can encode (llama.cpp's reference encoders in the gguf package); every ggml_quants type reads.
 QUANTIZE_TYPES = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
 TILE_VALUES = 1 << 18  # float32 values of one dequantized tile in a prefill product (1 MiB: stays in L2)
+
+
+# types whose scales are the file's own float16 (the dot layout keeps them so); the K types' product scales
+# (d * sub-block scale) are rarely exact in float16 and stay float32
+HALF_SCALE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+
+
+def predicted_bytes(type_name: str, shape: tuple[int, int], activations: str = "float32") -> int:
+    """Bytes a [N, K] matrix of `type_name` is kept in by a model computing with `activations`, without
+    reading it (`kvlab memory --model`): the float layout (ggml_quants.resident_bytes), or for "q8" the
+    integer kernels' layout of the whole tiles (codes alike, scales float16 for HALF_SCALE_TYPES, offsets
+    float32 except Q4_0's, folded) plus the tail rows in the float layout. For the float16-scale types the
+    q8 figure is the file's own bytes."""
+    if activations != "q8":
+        return resident_bytes(type_name, shape)
+    rows, cols = shape
+    tiled = rows // LANES * LANES
+    code_bytes = cols // 2 if type_name in NIBBLE_TYPES else cols
+    per_group = (2 if type_name in HALF_SCALE_TYPES else 4) + (4 if type_name in OFFSET_TYPES and type_name != "Q4_0" else 0)
+    return tiled * (code_bytes + cols // GROUPS[type_name] * per_group) + resident_bytes(type_name, (rows - tiled, cols))
 
 
 class QuantizedMatrix:
@@ -331,6 +352,16 @@ class QuantizedMatrix:
             # into a contiguous product, then copied: a matmul whose `out` is a column slice skips BLAS
             out[:, start:stop] = x @ band_t.astype(x.dtype, copy=False)
         return out
+
+
+def prepare_layout(matrix: object, activations: str) -> None:
+    """Make the layout `activations` reads resident now (the dot layout for "q8", else the float one), so
+    a model's memory is settled when it is bound, not at its first logits; anything but a QuantizedMatrix
+    is left as it is; a RowStack's parts each."""
+    for part in getattr(matrix, "parts", ()):
+        prepare_layout(part, activations)
+    if isinstance(matrix, QuantizedMatrix):
+        _ = matrix.dot_layout if activations == "q8" else matrix.tiles
 
 
 def quant_type(name: str) -> str:

@@ -1,0 +1,155 @@
+"""Memory as the file (issue 37): one resident layout of the codes, views instead of copies, and the
+prediction `kvlab memory --model` makes of what a model keeps."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kvlab.model.ggml_quants import BLOCK_SIZES
+from kvlab.model.quantized import QUANTIZE_TYPES, QuantizedMatrix, predicted_bytes
+
+
+def unique_bytes(matrix: QuantizedMatrix) -> int:
+    """Bytes of the memory blocks the matrix's arrays keep alive (each base array once)."""
+    arrays = [*(matrix._dot[:3] if matrix._tiles is None else
+                (matrix._tiles.codes, matrix._tiles.scales, matrix._tiles.offsets)),
+              matrix.tail.codes, matrix.tail.scales, matrix.tail.offsets]
+    bases = {}
+    for a in arrays:
+        if a is None:
+            continue
+        while isinstance(a.base, np.ndarray):
+            a = a.base
+        bases[id(a)] = a.nbytes
+    return sum(bases.values())
+
+
+def same(a, b) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and a.dtype == b.dtype
+                                         and np.array_equal(a.view(np.uint8), b.view(np.uint8)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(type_name=st.sampled_from([t.upper() for t in QUANTIZE_TYPES]), rows=st.integers(1, 40),
+       blocks=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_the_two_layouts_hold_the_same_weights_and_one_is_resident(type_name, rows, blocks, seed):
+    """float -> dot -> float gives the float layout back bit for bit; rows, dequantized values, products and
+    the fingerprint do not depend on which layout is resident; the matrix keeps exactly one (its bytes are
+    what `predicted_bytes` says for that mode, and nothing else is kept alive)."""
+    rng = np.random.default_rng(seed)
+    cols = blocks * BLOCK_SIZES[type_name][0]
+    matrix = QuantizedMatrix.quantize(rng.standard_normal((rows, cols)).astype(np.float32), type_name)
+    original = matrix.tiles
+    index = rng.integers(0, rows, 7)
+    before = matrix.rows(index)
+    x = rng.standard_normal((3, cols)).astype(np.float32)
+    product = matrix.matmul_t(x, compiled=False)
+    digest = hashlib.sha256(matrix.fingerprint_bytes()).hexdigest()
+    assert matrix.layout == "float" and unique_bytes(matrix) == matrix.nbytes
+    assert matrix.nbytes == predicted_bytes(type_name, (rows, cols)) == matrix.resident_bytes("float32")
+    q8_bytes = matrix.resident_bytes("q8")
+
+    matrix.dot_layout
+    assert matrix.layout == "dot" and matrix._tiles is None
+    assert matrix.nbytes == q8_bytes == unique_bytes(matrix) == predicted_bytes(type_name, (rows, cols), "q8")
+    after = matrix.rows(index)
+    assert all(same(getattr(before, f), getattr(after, f)) for f in ("codes", "scales", "offsets"))
+    assert np.array_equal(matrix.matmul_t(x, compiled=False), product)
+    assert hashlib.sha256(matrix.fingerprint_bytes()).hexdigest() == digest
+    streamed = hashlib.sha256()
+    matrix.fingerprint_into(streamed)
+    assert streamed.hexdigest() == digest
+
+    back = matrix.tiles
+    assert matrix.layout == "float" and matrix._dot is None
+    assert all(same(getattr(original, f), getattr(back, f)) for f in ("codes", "scales", "offsets"))
+
+
+@pytest.mark.parametrize("rows", [64, 69])
+def test_splitting_tiles_copies_the_tail_so_the_row_ordered_matrix_is_freed(rows):
+    """A whole number of tiles leaves an empty tail: it must not be a view keeping the row-ordered codes
+    (a second copy of every matrix) alive."""
+    matrix = QuantizedMatrix.quantize(np.random.default_rng(0).standard_normal((rows, 64)).astype(np.float32), "Q4_0")
+    assert unique_bytes(matrix) == matrix.nbytes == predicted_bytes("Q4_0", (rows, 64))
+
+
+def test_row_views_share_the_stack_and_stack_back_to_it():
+    """Views on tile boundaries share the stack's arrays; concatenated in order they are the stack itself;
+    an unaligned or reordered request copies, with the same rows."""
+    stack = QuantizedMatrix.quantize(np.random.default_rng(1).standard_normal((83, 64)).astype(np.float32), "Q8_0")
+    parts = [stack.row_view(0, 32), stack.row_view(32, 48), stack.row_view(48, 83)]
+    assert all(np.shares_memory(p.tiles.codes, stack.tiles.codes) for p in parts[:2])
+    assert [p.shape for p in parts] == [(32, 64), (16, 64), (35, 64)]
+    assert QuantizedMatrix.concat(parts) is stack
+    for p, (a, b) in zip(parts, [(0, 32), (32, 48), (48, 83)]):
+        assert np.array_equal(p.dequantize(), stack.dequantize()[a:b])
+    odd = stack.row_view(3, 20)
+    assert odd.view_of is None and np.array_equal(odd.dequantize(), stack.dequantize()[3:20])
+    swapped = QuantizedMatrix.concat([parts[1], parts[0], parts[2]])
+    assert swapped is not stack and np.array_equal(swapped.dequantize()[:16], stack.dequantize()[32:48])
+
+
+def small_file(tmp_path, types):
+    from gguf_files import small_config, write_gguf
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, small_config("llama", max_position_embeddings=64), types=types)
+    return path
+
+
+def test_the_reader_stacks_qkv_and_gate_up_once_and_the_model_keeps_that_stack(tmp_path):
+    from kvlab.gguf.loader import load_gguf, read_checkpoint
+
+    path = small_file(tmp_path, ("Q8_0",))
+    weights = read_checkpoint(path, keep_stored=True, progress=False).weights
+    q, k, v = (weights[f"model.layers.0.self_attn.{x}_proj.weight"] for x in "qkv")
+    assert q.view_of[0] is k.view_of[0] is v.view_of[0]
+    model, _ = load_gguf(path, weights_dtype="stored", progress=False)
+    assert all(layer.w_qkv.view_of is None and layer.w_gate_up.view_of is None for layer in model.layers)
+
+
+def test_read_pages_released_still_read_the_same(tmp_path):
+    """`GGUFFile.release` only drops pages from the resident set: the bytes read again are the file's."""
+    from kvlab.gguf.reader import read_gguf
+
+    gguf = read_gguf(small_file(tmp_path, ("Q4_0",)))
+    name = next(iter(gguf.tensors))
+    before = np.array(gguf.raw(name))
+    gguf.release(name)
+    assert np.array_equal(np.asarray(gguf.raw(name)), before)
+
+
+@pytest.mark.parametrize("types", [("Q8_0",), ("Q4_0",), ("Q4_1", "Q8_0")])
+def test_memory_predicts_the_weights_a_model_keeps_in_each_mode(tmp_path, types):
+    """`kvlab memory --model x.gguf --json`: the predicted peak's weight part is what the loaded model keeps
+    (float layout, or with --activations q8 the integer kernels' layout), and in q8 mode, for Q8_0 and Q4_0
+    with whole tiles, exactly the file's tensor bytes; K/V is the --tokens run's."""
+    from kvlab.loader import load
+
+    path = small_file(tmp_path, types)
+    for mode in ("float32", "q8"):
+        done = subprocess.run([sys.executable, "-m", "kvlab", "memory", "--model", str(path), "--tokens", "40",
+                               "--activations", mode, "--json"], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        result = json.loads(done.stdout)
+        peak = result["predicted_peak"]
+        model, _ = load(path, activations=mode)
+        matrices = {id(w): w for w in [model.embed, model.lm_head]
+                    + [getattr(layer, n) for layer in model.layers for n in ("w_qkv", "w_o", "w_gate_up", "w_down")]}
+        vectors = {id(a): a for layer in model.layers for a in (layer.input_norm, layer.post_norm)}
+        vectors[id(model.norm)] = model.norm
+        kept = sum(w.nbytes for w in matrices.values()) + sum(a.nbytes for a in vectors.values())
+        flat = [p for w in matrices.values() for p in getattr(w, "parts", [w])]
+        assert all(w.layout == ("dot" if mode == "q8" else "float") for w in flat)
+        assert peak["weights"] == kept
+        assert peak["kv"] == result["kv_bytes"] == 40 * result["bytes_per_token"]
+        assert peak["peak"] == max(peak["load_peak"], peak["weights"] + peak["kv"] + peak["runtime"])
+        if mode == "q8" and set(types) <= {"Q8_0", "Q4_0"}:  # Q4_1's mins stay float32: 1.1x the file
+            assert peak["weights"] == result["file_tensor_bytes"]
