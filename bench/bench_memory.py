@@ -107,7 +107,7 @@ def weight_bytes(model) -> dict[str, int]:
     return out
 
 
-def stages(path: str, activations: str) -> dict:
+def stages(path: str, activations: str, prompt_text: str = PROMPT) -> dict:
     """Peak and resident MiB after each stage of a `kvlab generate`-like run, in this process."""
     rows: list[dict] = []
 
@@ -127,7 +127,7 @@ def stages(path: str, activations: str) -> dict:
     mark(f"weights read, model built (activations={activations})")
     model.warm_up()
     mark("kernels warmed up (numba cache)")
-    prompt = tokenizer.encode(PROMPT)
+    prompt = tokenizer.encode(prompt_text)
     cache = model.new_cache(1, capacity=len(prompt) + NEW_TOKENS)
     mark(f"cache for {len(prompt) + NEW_TOKENS} positions")
     from kvlab.generation.generate import stream_generate
@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("files", nargs="*")
     p.add_argument("--modes", nargs="+", default=["float32", "q8"])
     p.add_argument("--no-stages", action="store_true", help="only the peak of `kvlab generate`")
-    p.add_argument("--stages-of", nargs=2, metavar=("FILE", "MODE"), help=argparse.SUPPRESS)
+    p.add_argument("--prompt", default=PROMPT, help=f"the prompt (default {PROMPT!r}; a long one shows prefill)")
+    p.add_argument("--stages-of", nargs=3, metavar=("FILE", "MODE", "PROMPT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.stages_of:  # the child: one model, one mode
         print(json.dumps(stages(*args.stages_of)))
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.files:
         for mode in args.modes:
             peak, seconds, line = child_peak(kvlab + ["generate", "-m", path, "-n", str(NEW_TOKENS), "--temp", "0",
-                                                      "--activations", mode, PROMPT])
+                                                      "--activations", mode, args.prompt])
             row = {"file": path, "file_mib": os.path.getsize(path) / MIB, "activations": mode,
                    "generate_peak_mib": peak / MIB, "seconds": seconds, "stats": line}
             try:
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             except (subprocess.CalledProcessError, KeyError, ValueError, IndexError):
                 pass  # a checkout whose `kvlab memory` predicts no peak
             if not args.no_stages:
-                out = subprocess.run([sys.executable, __file__, "--stages-of", path, mode], check=True,
+                out = subprocess.run([sys.executable, __file__, "--stages-of", path, mode, args.prompt], check=True,
                                      capture_output=True, text=True).stdout
                 row.update(json.loads(out))
             results.append(row)

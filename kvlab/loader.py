@@ -38,7 +38,7 @@ def load(path: str | Path | None = None, dtype: Any = DEFAULT_COMPUTE_DTYPE, pro
     check_activations(activations)  # a misspelt name fails before the weights load
     if gguf_file(path) is not None:
         model, tokenizer = load_gguf(path, dtype, progress, backend=backend,
-                                     weights_dtype=_gguf_weights(weights_dtype, dtype))
+                                     weights_dtype=_gguf_weights(weights_dtype, dtype), activations=activations)
     elif _quantize_to(weights_dtype) is not None:
         model, tokenizer = _quantized_at_load(path, dtype, backend, weights_dtype), hf.load_tokenizer(path)
     else:
@@ -58,7 +58,8 @@ def load_model(path: str | Path | None = None, dtype: Any = DEFAULT_COMPUTE_DTYP
     "auto" with float64 compute) dequantizes it into the compute dtype: the reference."""
     check_activations(activations)
     if gguf_file(path) is not None:
-        model = load_gguf(path, dtype, progress, backend=backend, weights_dtype=_gguf_weights(weights_dtype, dtype))[0]
+        model = load_gguf(path, dtype, progress, backend=backend, weights_dtype=_gguf_weights(weights_dtype, dtype),
+                          activations=activations)[0]
     elif _quantize_to(weights_dtype) is not None:
         model = _quantized_at_load(path, dtype, backend, weights_dtype)
     else:

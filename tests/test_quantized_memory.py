@@ -153,3 +153,22 @@ def test_memory_predicts_the_weights_a_model_keeps_in_each_mode(tmp_path, types)
         assert peak["peak"] == max(peak["load_peak"], peak["weights"] + peak["kv"] + peak["runtime"])
         if mode == "q8" and set(types) <= {"Q8_0", "Q4_0"}:  # Q4_1's mins stay float32: 1.1x the file
             assert peak["weights"] == result["file_tensor_bytes"]
+
+
+@pytest.mark.skipif(not __import__("kvlab.kernels", fromlist=["AVAILABLE"]).AVAILABLE, reason="numba is not installed")
+def test_a_q8_load_reads_into_the_integer_layout_and_computes_as_a_switched_model(tmp_path):
+    """`load(path, activations="q8")` reads every matrix straight into the dot layout (views of the stacks
+    included), and its logits and fingerprint are those of a model loaded exact and switched to q8."""
+    from kvlab.gguf.loader import read_checkpoint
+    from kvlab.loader import load
+
+    path = small_file(tmp_path, ("Q4_0",))
+    weights = read_checkpoint(path, keep_stored=True, progress=False, activations="q8").weights
+    assert all(w.layout == "dot" for w in weights.values() if isinstance(w, QuantizedMatrix))
+    assert weights["model.layers.1.mlp.up_proj.weight"].view_of is not None
+    direct, _ = load(path, activations="q8")
+    switched, _ = load(path)
+    switched.set_activations("q8")
+    ids = np.arange(1, 20)[None]
+    assert direct.fingerprint == switched.fingerprint
+    assert np.array_equal(direct.forward(ids).logits, switched.forward(ids).logits)

@@ -107,7 +107,7 @@ def gguf_weight_bytes(path: str) -> dict[str, int] | None:
 # Q4_0 and Q8_0 file, Python 3.11, NumPy 2, numba 0.6x, AMD EPYC, 2026-12-05): the interpreter, NumPy,
 # numba and the loaded kernels, the tokenizer (~150 MiB once loaded), then the kernels' warm-up and the
 # step buffers (195-230 MiB in all while generating). While loading, the largest tensor is held about
-# 1.25 times more (its unpacking temporaries), with every matrix in the float layout.
+# 1.25 times more (its unpacking temporaries in the float layout), beside the matrices read so far.
 RUNTIME_LOAD_BYTES = 150 << 20
 RUNTIME_RUN_BYTES = 235 << 20
 LOAD_TRANSIENT = 1.25
@@ -115,10 +115,10 @@ LOAD_TRANSIENT = 1.25
 
 def predicted_peak(weights: dict[str, int], kv_bytes: int, activations: str = "float32") -> dict[str, int]:
     """The peak RSS of a process that loads the file and runs `kv_bytes` of K/V: the larger of the load
-    (every matrix in the float layout + the largest tensor's temporaries + the runtime so far) and the run
-    (the weights in the mode's layout + K/V + the runtime), each part named."""
+    (the weights in the mode's layout + the largest tensor's temporaries + the runtime so far) and the run
+    (the weights + K/V + the runtime), each part named."""
     resident = weights["weights_stored_q8" if activations == "q8" else "weights_stored"]
-    load = weights["weights_stored"] + int(LOAD_TRANSIENT * weights["largest_stored"]) + RUNTIME_LOAD_BYTES
+    load = resident + int(LOAD_TRANSIENT * weights["largest_stored"]) + RUNTIME_LOAD_BYTES
     run = resident + kv_bytes + RUNTIME_RUN_BYTES
     return {"weights": resident, "kv": kv_bytes, "runtime": RUNTIME_RUN_BYTES, "load_peak": load, "run_peak": run,
             "peak": max(load, run)}
@@ -302,8 +302,8 @@ def _print(result: dict[str, Any], model: SizedModel, rows: list[GroupBytes], un
         con.print(f"predicted peak RSS, {tokens:,} tokens x batch {batch}, activations {result['activations']}: "
                   f"[bold]{human_bytes(peak['peak'])}[/]; running: weights {human_bytes(peak['weights'])} + K/V "
                   f"{human_bytes(peak['kv'])} + runtime {human_bytes(peak['runtime'])} = "
-                  f"{human_bytes(peak['run_peak'])}; loading: {human_bytes(peak['load_peak'])} (every matrix in the "
-                  "float layout, the largest one's temporaries)")
+                  f"{human_bytes(peak['run_peak'])}; loading: {human_bytes(peak['load_peak'])} (the largest tensor's "
+                  "temporaries beside the weights)")
         con.print(f"weights resident: [bold]{human_bytes(weights['weights_stored'])}[/] as stored (GGUF blocks "
                   f"as codes + float32 scales), {human_bytes(weights['weights_stored_q8'])} with --activations q8 "
                   f"(the file's tensors: {human_bytes(weights['file_tensors'])}), "

@@ -22,6 +22,8 @@ from kvlab.gguf.reader import GGUFFile, read_gguf
 from kvlab.gguf.tensors import read_weights, split_fused, weight_plan
 from kvlab.gguf.tokenizer import tokenizer_from_metadata
 from kvlab.progress import weight_progress
+from kvlab.kernels import resolve_backend
+from kvlab.model.act_quant import check_activations
 from kvlab.model.heap import release_free_memory
 from kvlab.model.llama import LlamaModel
 from kvlab.tokenizer import HFTokenizer
@@ -69,15 +71,17 @@ def open_gguf(path: str | Path) -> tuple[GGUFFile, ModelConfig, HFTokenizer, dic
 
 
 def read_checkpoint(path: str | Path, dtype: Any = "float32", progress: bool | None = None,
-                    keep_stored: bool = False) -> GGUFCheckpoint:
+                    keep_stored: bool = False, activations: str = "float32") -> GGUFCheckpoint:
     """Config, weights (HF names and layout, as the family's checkpoints hold them: Phi-3's q/k/v and
-    gate/up fused; dequantized, or with `keep_stored` as the file stores the matrices) and tokenizer."""
+    gate/up fused; dequantized, or with `keep_stored` as the file stores the matrices, in the layout the
+    `activations` mode reads) and tokenizer."""
     dtype = np.dtype(dtype)
     if dtype not in (np.float32, np.float64):
         raise ConfigError(f"compute dtype must be float32 or float64, got {dtype}")
     gguf, config, tokenizer, plan = open_gguf(path)
     with weight_progress(sum(info.nbytes for info in plan.values()), progress) as advance:
-        weights = read_weights(gguf, config, plan, dtype, on_tensor=advance, keep_stored=keep_stored)
+        weights = read_weights(gguf, config, plan, dtype, on_tensor=advance, keep_stored=keep_stored,
+                               activations=activations)
     return GGUFCheckpoint(gguf.path, config, weights, tokenizer)
 
 
@@ -85,22 +89,27 @@ WEIGHTS_DTYPES = ("float32", "float64", "stored")
 
 
 def load_gguf(path: str | Path, dtype: Any = "float32", progress: bool | None = None,
-              backend: str | None = None, weights_dtype: str = "float32") -> tuple[LlamaModel, HFTokenizer]:
+              backend: str | None = None, weights_dtype: str = "float32",
+              activations: str | None = None) -> tuple[LlamaModel, HFTokenizer]:
     """(model, tokenizer) of a GGUF file, computing in float32 (or float64).
 
     weights_dtype "float32" (or the compute dtype's name) dequantizes every tensor: the reference; "stored"
     keeps each matrix as the file stores it (F16/BF16 half, block types as codes read by the quantized
-    kernels: a Q4 file's decode step reads ~0.75 bytes a weight instead of 4), with float32 compute."""
+    kernels: a Q4 file's decode step reads ~0.75 bytes a weight instead of 4), with float32 compute;
+    `activations` ("float32" or "q8", LlamaModel's) is the mode the model is built in, and with weights
+    kept as stored the layout each matrix is read into (a q8 model never holds the float layout whole)."""
     if weights_dtype not in WEIGHTS_DTYPES:
         raise ConfigError(f"weights_dtype for a GGUF file must be one of {', '.join(WEIGHTS_DTYPES)}, "
                           f"got {weights_dtype!r}")
     keep = weights_dtype == "stored"
     if keep and np.dtype(dtype) != np.float32:
         raise ConfigError(f"weights kept as stored need float32 compute, not {np.dtype(dtype).name}")
-    checkpoint = read_checkpoint(path, dtype, progress, keep_stored=keep)
+    mode = check_activations(activations)
+    layout = mode if keep and resolve_backend(backend) == "numba" else "float32"  # NumPy reads the float layout
+    checkpoint = read_checkpoint(path, dtype, progress, keep_stored=keep, activations=layout)
     model = LlamaModel(checkpoint.config, weights=split_fused(checkpoint.config, checkpoint.weights), dtype=dtype,
-                       source=str(checkpoint.path),
-                       backend=backend, weights_dtype="auto" if keep else None)
+                       source=str(checkpoint.path), backend=backend, weights_dtype="auto" if keep else None,
+                       activations=mode)
     tokenizer = checkpoint.tokenizer
     del checkpoint
     release_free_memory()  # the unpacking's temporaries: freed, but held by malloc until trimmed

@@ -32,7 +32,7 @@ import numpy as np
 from kvlab.config import ModelConfig
 from kvlab.errors import CheckpointError
 from kvlab.gguf.reader import GGUFFile, TensorInfo
-from kvlab.model.quantized import QuantizedMatrix
+from kvlab.model.quantized import QuantizedMatrix, prepare_layout
 from kvlab.model.weights import check_weights
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
@@ -173,9 +173,11 @@ def as_stored(gguf: GGUFFile, info: TensorInfo, dtype: np.dtype) -> np.ndarray |
 
 def read_weights(gguf: GGUFFile, config: ModelConfig, plan: dict[str, TensorInfo], dtype: Any,
                  on_tensor: Callable[[int], None] | None = None,
-                 keep_stored: bool = False) -> dict[str, np.ndarray | QuantizedMatrix]:
+                 keep_stored: bool = False, activations: str = "float32") -> dict[str, np.ndarray | QuantizedMatrix]:
     """Every planned tensor dequantized into `dtype` (or, with `keep_stored`, matrices as the file stores
-    them: see `as_stored`), with Llama's Q/K rows back in HF order and Gemma's norms without their +1."""
+    them: see `as_stored`, in the layout `activations` reads, model/quantized.prepare_layout: a q8 load
+    never holds the whole model in the float layout), with Llama's Q/K rows back in HF order and Gemma's
+    norms without their +1."""
     dtype = np.dtype(dtype)
     permuted = gguf.get("general.architecture") in PERMUTED_ARCHITECTURES
     shifted = gguf.get("general.architecture") in NORM_SHIFTED_ARCHITECTURES
@@ -194,7 +196,7 @@ def read_weights(gguf: GGUFFile, config: ModelConfig, plan: dict[str, TensorInfo
         weights[name] = array
         gguf.release(info.name)  # read: its pages leave the resident set
         if keep_stored:
-            stack_parts(weights, name)
+            stack_parts(weights, name, activations)
         if on_tensor is not None:
             on_tensor(info.nbytes)
     return weights
@@ -205,22 +207,29 @@ STACKED_PARTS = (("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_at
                  ("mlp.gate_proj.weight", "mlp.up_proj.weight"))
 
 
-def stack_parts(weights: dict[str, Any], name: str) -> None:
+def stack_parts(weights: dict[str, Any], name: str, activations: str = "float32") -> None:
     """Once the last of a layer's q/k/v (or gate/up) is read, store them as row views of one stacked
     QuantizedMatrix (when their types agree), so the model's stacking finds the stack and copies nothing:
     building a model then holds one copy of the codes, not the parts beside their stack (a 1B Q4_0 file
-    peaked at 1.5 GiB for 0.75 GiB of codes)."""
+    peaked at 1.5 GiB for 0.75 GiB of codes). Every matrix that waits for no other ends in the layout
+    `activations` reads (the stack before its views are cut)."""
     match = re.fullmatch(r"(model\.layers\.\d+\.)(.+)", name)
-    if match is None:
+    prefix, part = match.groups() if match else ("", name)
+    group = next((g for g in STACKED_PARTS if part in g), None)
+    if group is None:
+        prepare_layout(weights[name], activations)
         return
-    prefix, part = match.groups()
-    for group in STACKED_PARTS:
-        if part not in group or not all(prefix + p in weights for p in group):
-            continue
-        parts = [weights[prefix + p] for p in group]
-        if not QuantizedMatrix.can_concat(parts):
-            return
-        stack, row = QuantizedMatrix.concat(parts), 0
-        for p, matrix in zip(group, parts):
-            weights[prefix + p] = stack.row_view(row, row + matrix.shape[0])
-            row += matrix.shape[0]
+    if not all(prefix + p in weights for p in group):
+        return  # the rest of the stack is still to come
+    parts = [weights[prefix + p] for p in group]
+    if not QuantizedMatrix.can_concat(parts):
+        for matrix in parts:
+            prepare_layout(matrix, activations)
+        return
+    stack, row = QuantizedMatrix.concat(parts), 0
+    del parts[:]  # the float parts go as the stack is cut into views
+    prepare_layout(stack, activations)
+    for p in group:
+        rows = weights[prefix + p].shape[0]
+        weights[prefix + p] = stack.row_view(row, row + rows)
+        row += rows

@@ -63,7 +63,7 @@ class QuantizedMatrix:
     NumPy reference read whichever layout is resident without converting. A conversion happens when a
     model binds its kernels (LlamaModel.set_activations), once per matrix, under a lock."""
 
-    def __init__(self, type_name: str, tiles: Unpacked, tail: Unpacked) -> None:
+    def __init__(self, type_name: str, tiles: Unpacked | None, tail: Unpacked) -> None:
         self.type_name = type_name
         self.tail = tail
         self._tiles: Unpacked | None = tiles
@@ -240,15 +240,21 @@ class QuantizedMatrix:
         built with one copy of its codes, not the parts and their stack side by side."""
         rows = self.shape[0]
         whole = rows - self.tail.scales.shape[0]
-        if self._tiles is None or start % LANES or (stop % LANES and stop != rows) or not 0 <= start <= stop <= rows:
+        if start % LANES or (stop % LANES and stop != rows) or not 0 <= start <= stop <= rows:
             return self.take_rows(slice(start, stop))
         t0, t1 = start // LANES, max(start, min(stop, whole)) // LANES
-        t = self._tiles
-        tiles = Unpacked(t.codes[t0:t1], t.scales[t0:t1], None if t.offsets is None else t.offsets[t0:t1], t.group)
         tail = self.tail if stop == rows else Unpacked(
             self.tail.codes[:0].copy(), self.tail.scales[:0].copy(),
             None if self.tail.offsets is None else self.tail.offsets[:0].copy(), self.tail.group)
-        view = QuantizedMatrix(self.type_name, tiles, tail)
+        with self._lock:
+            t, dot = self._tiles, self._dot
+        if t is not None:
+            view = QuantizedMatrix(self.type_name, Unpacked(t.codes[t0:t1], t.scales[t0:t1],
+                                                            None if t.offsets is None else t.offsets[t0:t1], t.group), tail)
+        else:  # the same rows of the integer kernels' layout (an empty offsets array means none: kept as is)
+            codes, scales, offsets, bias = dot
+            view = QuantizedMatrix(self.type_name, None, tail)
+            view._dot = (codes[t0:t1], scales[t0:t1], offsets[t0:t1] if offsets.shape[0] else offsets, bias)
         view.view_of = (self, start, stop)
         return view
 
