@@ -1,12 +1,14 @@
 """kvlab and llama.cpp on the same GGUF files, side by side in one run: decode, prefill, roofline, logits.
 
-For every file (by default F16, Q8_0, Q4_0, Q4_1, Q4_K_M of one model), three engines take turns, round
-by round and context by context, so drift on a shared machine hits all alike:
+For every file (by default F16, Q8_0, Q4_0, Q4_1, Q4_K_M of one model), one file at a time (its models
+loaded, run, checked and dropped before the next file loads, so a 1B or 3B model fits; the process's peak
+RSS per file is reported), the engines take turns, round by round and context by context, so drift on a
+shared machine hits all alike:
 
   * kvlab with the weights as stored (`kvlab.load(path, weights_dtype="stored")`: half or quantized blocks
     read by whatever kernels this checkout has), the same with the quantized products' inputs rounded to
     int8 as llama.cpp rounds them (`activations="q8"`, integer dot products; block-type files only), and
-    dequantized (`weights_dtype="float32"`, the reference);
+    dequantized (`weights_dtype="float32"`, the reference; `--no-float32` skips it: 4 bytes a weight);
   * llama.cpp's own `llama-bench` on the same file, the same thread count (tg at depth = context, and pp);
     without llama-bench, llama.cpp through llama-cpp-python in a worker process, timed as kvlab is.
 
@@ -73,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="folder with libllama.so for llama-cpp-python (default $LLAMA_CPP_LIB_PATH, "
                         "else llama-bench's folder)")
     p.add_argument("--no-llama-cpp", action="store_true", help="kvlab only")
+    p.add_argument("--no-float32", action="store_true",
+                   help="skip the dequantized float32 engine (4 bytes a weight: 4.3 GB for a 1B model)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 4096])
     p.add_argument("--prefill", type=int, nargs="+", default=[128, 1024],
@@ -132,6 +136,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama_cpp_peer  # noqa: E402 (bench/llama_cpp_peer.py)
 from kvlab_timing import kvlab_run, step_bytes  # noqa: E402 (bench/kvlab_timing.py)
+from kvlab.model.heap import release_free_memory  # noqa: E402
 from roofline import measure_bandwidth  # noqa: E402 (bench/roofline.py)
 
 
@@ -187,6 +192,44 @@ class WorkerPeer:
             worker.close()
 
 
+def reset_peak_rss() -> None:
+    """Start this process's resident high-water mark afresh (Linux clear_refs 5; elsewhere a no-op)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss_bytes() -> int:
+    """This process's resident high-water mark since the last reset (VmHWM), or ru_maxrss off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def check_logits(label: str, path: Path, models: dict, tokenizer, env: dict[str, str]) -> dict:
+    """llama.cpp's logits of the file at every position of real text against kvlab's (float32, else the
+    stored weights), and against the int8-activation mode where it ran."""
+    text_ids = tokenizer.encode(CHECK_TEXT.read_text(encoding="utf-8"), add_bos=False)
+    ids = [int(tokenizer.bos_token_id)] + [int(t) for t in text_ids[:ARGS.check_tokens - 1]]
+    reference = "float32" if "float32" in models else "stored"
+    worker = llama_cpp_peer.LlamaCppWorker(path, ARGS.threads, len(ids) + 8, env, logits_all=True)
+    try:
+        llama = worker.all_logits(ids)
+    finally:
+        worker.close()
+    row = {"file": str(path), "against": f"kvlab {reference}",
+           **logits_agreement(llama, models[reference].forward([ids]).logits[0])}
+    if "q8" in models:  # the same rounding of activations as llama.cpp: how much closer
+        row["q8"] = logits_agreement(llama, models["q8"].forward([ids]).logits[0])
+    return {label: row}
+
+
 def relative_error(got: np.ndarray, want: np.ndarray) -> float:
     """max |got - want| / (max |want| + 1): the scale-aware logits error the issue's goals use."""
     return float(np.abs(got - want).max()) / (float(np.abs(want).max()) + 1.0)
@@ -238,26 +281,7 @@ def main() -> None:
     con.print(f"llama.cpp timings: {peer_note}")
     con.print(f"llama.cpp logits: {worker_note}{'' if worker_ok else ': logits check skipped'}")
 
-    models: dict[str, dict[str, object]] = {}
-    tokenizer = None
-    for kind, path in files.items():
-        stored, tokenizer = kvlab.load(path, weights_dtype="stored")
-        reference, _ = kvlab.load(path, weights_dtype="float32")
-        models[kind] = {"stored": stored, "float32": reference}
-        if stored.quantized:  # llama.cpp's own arithmetic on such a file: activations rounded to int8
-            models[kind]["q8"] = kvlab.load(path, weights_dtype="stored", activations="q8")[0]
-        con.print(f"loaded {kind}: {path} ({path.stat().st_size / 2**20:.1f} MiB)")
-    config = next(iter(models.values()))["float32"].config
     rng = np.random.default_rng(0)
-    check = rng.integers(300, config.vocab_size, size=(1, 16))
-    stored_error = {}
-    for kind, pair in models.items():  # compiles each path once, and checks stored against float32
-        got = pair["stored"].forward(check).logits
-        stored_error[kind] = relative_error(got, pair["float32"].forward(check).logits)
-        for model in pair.values():
-            kvlab_run(model, check[:, :8], 2)
-
-    prompts = {c: rng.integers(300, config.vocab_size, size=(1, c)) for c in ARGS.contexts}
     best: dict[tuple[str, str, int], dict[str, float]] = {}  # (type, engine, context) -> decode/prefill s
 
     def note(key: tuple[str, str, int], decode: float | None = None, prefill: float | None = None) -> None:
@@ -268,45 +292,61 @@ def main() -> None:
 
     peer = None if ARGS.no_llama_cpp else LlamaBenchPeer(bench_bin, env) if bench_bin is not None else \
         WorkerPeer(files, env) if worker_ok else None
-    bandwidths = []
-    for round_number in range(ARGS.repeats):
-        bandwidths.append(measure_bandwidth(3))
-        con.print(f"round {round_number + 1}/{ARGS.repeats}: streaming read {bandwidths[-1] / 1e9:.1f} GB/s")
-        for kind, pair in models.items():
+    bandwidths = [measure_bandwidth(3)]
+    con.print(f"streaming read {bandwidths[-1] / 1e9:.1f} GB/s")
+    # One file at a time (its engines' models loaded, run round after round, checked, then dropped), so a
+    # 1B model, or a 3B one, fits: holding every type's models at once (and their float32 copies) took a
+    # 1B bench past 24 GiB. The engines of one file still take turns, context by context, every round.
+    configs, reads, stored_error, agreement, peak_rss = {}, {}, {}, {}, {}
+    for kind, path in files.items():
+        reset_peak_rss()
+        models = {}
+        models["stored"], tokenizer = kvlab.load(path, weights_dtype="stored")
+        if models["stored"].quantized:  # llama.cpp's own arithmetic on such a file: activations rounded to int8
+            models["q8"] = kvlab.load(path, weights_dtype="stored", activations="q8")[0]
+        if not ARGS.no_float32:
+            models["float32"] = kvlab.load(path, weights_dtype="float32")[0]
+        con.print(f"loaded {kind}: {path} ({path.stat().st_size / 2**20:.1f} MiB), engines {', '.join(models)}")
+        configs[kind] = config = models["stored"].config
+        reads[kind] = {(engine, context): step_bytes(model, context) for engine, model in models.items()
+                       for context in ARGS.contexts}
+        check = rng.integers(300, config.vocab_size, size=(1, 16))
+        got = models["stored"].forward(check).logits  # compiles each path once, and checks stored against float32
+        if "float32" in models:
+            stored_error[kind] = relative_error(got, models["float32"].forward(check).logits)
+        for model in models.values():
+            kvlab_run(model, check[:, :8], 2)
+        prompts = {c: rng.integers(300, config.vocab_size, size=(1, c)) for c in ARGS.contexts}
+        for round_number in range(ARGS.repeats):
             for context in ARGS.contexts:
-                for engine in pair:
-                    prefill, decode = kvlab_run(pair[engine], prompts[context], ARGS.steps)
+                for engine, model in models.items():
+                    prefill, decode = kvlab_run(model, prompts[context], ARGS.steps)
                     note((kind, f"kvlab {engine}", context), decode, prefill)
                 if peer is not None:
-                    decode, prefill = peer.decode(kind, files[kind], context)
+                    decode, prefill = peer.decode(kind, path, context)
                     note((kind, "llama.cpp", context), decode, prefill if context in ARGS.prefill else None)
             if peer is not None:
-                for tokens, seconds in peer.prefill(files[kind]).items():
+                for tokens, seconds in peer.prefill(path).items():
                     note((kind, "llama.cpp", tokens), prefill=seconds)
-            con.print(f"  {kind} done")
+            con.print(f"  {kind} round {round_number + 1}/{ARGS.repeats} done")
+        if not ARGS.no_llama_cpp and worker_ok and tokenizer is not None:
+            agreement.update(check_logits(f"{kind}: {path.name}", path, models, tokenizer, env))
+        peak_rss[kind] = {"peak_rss_mib": peak_rss_bytes() / 2**20, "engines": list(models),
+                          "file_mib": path.stat().st_size / 2**20}
+        con.print(f"  {kind}: peak RSS {peak_rss[kind]['peak_rss_mib']:.0f} MiB with {', '.join(models)} loaded")
+        del models, model
+        release_free_memory()
+    bandwidths.append(measure_bandwidth(3))
     bandwidth = max(bandwidths)
     if isinstance(peer, WorkerPeer):
         peer.close()
+    if not ARGS.no_llama_cpp and not worker_ok:
+        con.print(f"logits check skipped: {worker_note}")
+    elif not ARGS.no_llama_cpp and tokenizer is not None:
+        for path in kvlab_files(ARGS.kvlab_files):
+            agreement.update(check_logits(f"kvlab quantize: {path.name}", path,
+                                          {"float32": kvlab.load(path, weights_dtype="float32")[0]}, tokenizer, env))
 
-    agreement = {}
-    if not ARGS.no_llama_cpp:
-        if not worker_ok:
-            con.print(f"logits check skipped: {worker_note}")
-        else:
-            text_ids = tokenizer.encode(CHECK_TEXT.read_text(encoding="utf-8"), add_bos=False)
-            ids = [int(tokenizer.bos_token_id)] + [int(t) for t in text_ids[:ARGS.check_tokens - 1]]
-            checked = [(f"{kind}: {path.name}", path, models[kind]) for kind, path in files.items()]
-            checked += [(f"kvlab quantize: {path.name}", path, None) for path in kvlab_files(ARGS.kvlab_files)]
-            for label, path, pair in checked:
-                reference = pair["float32"] if pair else kvlab.load(path, weights_dtype="float32")[0]
-                worker = llama_cpp_peer.LlamaCppWorker(path, ARGS.threads, len(ids) + 8, env, logits_all=True)
-                try:
-                    llama = worker.all_logits(ids)
-                finally:
-                    worker.close()
-                agreement[label] = {"file": str(path), **logits_agreement(llama, reference.forward([ids]).logits[0])}
-                if pair and "q8" in pair:  # the same rounding of activations as llama.cpp: how much closer
-                    agreement[label]["q8"] = logits_agreement(llama, pair["q8"].forward([ids]).logits[0])
     same_bytes = {}  # each kvlab file against the bench's file of the same type, tensor by tensor
     for path in kvlab_files(ARGS.kvlab_files):
         kind = next((k for k in files if path.name.lower().endswith(f"{k}.gguf".lower())), None)
@@ -315,9 +355,10 @@ def main() -> None:
                 k: len(v) if k in ("identical", "differ") else v
                 for k, v in llama_cpp_peer.compare_tensors(path, files[kind]).items()}}
 
-    report = build_report(files, models, best, bandwidth, bandwidths, stored_error, agreement,
+    report = build_report(files, configs, reads, best, bandwidth, bandwidths, stored_error, agreement,
                           peer.cache_types if peer is not None else {}, peer_note, worker_note)
     report["kvlab_files_vs_peer_files"] = same_bytes
+    report["peak_rss"] = peak_rss
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench_gguf_peer.json").write_text(json.dumps(report, indent=2))
     markdown = render_markdown(report)
@@ -330,14 +371,14 @@ def main() -> None:
         con.print("no plot: matplotlib is not installed")
 
 
-def build_report(files, models, best, bandwidth, bandwidths, stored_error, agreement, cache_types,
+def build_report(files, configs, reads, best, bandwidth, bandwidths, stored_error, agreement, cache_types,
                  peer_note, worker_note) -> dict:
     """Every measured number, with the bytes and rooflines behind each ratio."""
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown CPU")
     rows, prefill_rows = [], []
     for kind, path in files.items():
-        c = models[kind]["float32"].config
+        c = configs[kind]
         peer_weights = llama_cpp_peer.decode_weight_bytes(llama_cpp_peer.gguf_tensors(path))
         type_k, type_v = cache_types.get(kind, ("f16", "f16"))
         for context in ARGS.contexts:
@@ -350,7 +391,7 @@ def build_report(files, models, best, bandwidth, bandwidths, stored_error, agree
                     read = peer_weights + llama_cpp_peer.kv_bytes(c.num_hidden_layers, c.num_key_value_heads,
                                                                   c.head_dim, context, type_k, type_v)
                 else:
-                    read = step_bytes(models[kind][engine.split()[1]], context)
+                    read = reads[kind][(engine.split()[1], context)]
                 row[engine] = {"decode_s": measured["decode"], "tokens_per_s": 1.0 / measured["decode"],
                                "bytes_per_step": read, "roofline_s": read / bandwidth,
                                "x_roofline": measured["decode"] / (read / bandwidth)}
@@ -417,6 +458,11 @@ def render_markdown(report: dict) -> str:
                          f"{100 * r['top1']:.1f}% | {'yes' if ok else 'NO'} | {q8} |")
     else:
         lines += ["", f"llama.cpp logits check: {report['llama_cpp_logits']}"]
+    if report.get("peak_rss"):
+        lines += ["", "Peak RSS of this process per file (its engines' models loaded together, one file at a time):", "",
+                  "| type | file MiB | engines loaded | peak RSS MiB |", "|---|---:|---|---:|"]
+        for kind, r in report["peak_rss"].items():
+            lines.append(f"| {kind} | {r['file_mib']:.0f} | {', '.join(r['engines'])} | {r['peak_rss_mib']:.0f} |")
     for name, r in report.get("kvlab_files_vs_peer_files", {}).items():
         lines.append(f"\n{name} vs {Path(r['against']).name}, tensor by tensor: {r['identical']} identical, "
                      f"{r['differ']} differ, stored in other types: {', '.join(r['other_type']) or 'none'}")
