@@ -172,3 +172,34 @@ def test_a_q8_load_reads_into_the_integer_layout_and_computes_as_a_switched_mode
     ids = np.arange(1, 20)[None]
     assert direct.fingerprint == switched.fingerprint
     assert np.array_equal(direct.forward(ids).logits, switched.forward(ids).logits)
+
+
+@pytest.mark.skipif(not __import__("kvlab.kernels", fromlist=["AVAILABLE"]).AVAILABLE, reason="numba is not installed")
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(1, 16), out=st.integers(8, 40), blocks=st.integers(1, 4), seed=st.integers(0, 2**16),
+       scale=st.sampled_from([1e-3, 1.0, 1e3]))
+def test_q4_0s_folded_offsets_compute_the_bits_of_stored_ones(rows, out, blocks, seed, scale):
+    """Q4_0's tiles keep no offsets (the kernels take the scales times -8): the products (one row or many,
+    fused as the decode step calls them) and the prefill band's dequantized values are bit for bit those of
+    the same tiles with the offsets stored."""
+    from kvlab.kernels import qdecode_layer
+    from kvlab.kernels.qgemv import dequantize_tiles_t, kernel_args, qmatmul
+    from kvlab.model.ggml_quants import Unpacked
+
+    rng = np.random.default_rng(seed)
+    cols = 32 * blocks
+    folded = QuantizedMatrix.quantize(rng.standard_normal((out, cols)).astype(np.float32), "Q4_0")
+    t = folded.tiles
+    assert t.offsets is None and t.offset_scale == -8.0 and folded.tail.offsets is not None
+    stored = QuantizedMatrix("Q4_0", Unpacked(t.codes, t.scales, t.scales * np.float32(-8), t.group), folded.tail)
+    x = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+    assert np.array_equal(qmatmul(x, folded.tiles, folded.tail), qmatmul(x, stored.tiles, stored.tail))
+    fused = [np.empty((rows, out), dtype=np.float32) for _ in range(2)]
+    for w, o in zip((folded, stored), fused):
+        qdecode_layer._float_product(x, kernel_args(w.tiles, w.tail), o)
+    assert np.array_equal(*fused)
+    bands = [np.empty((cols, t.scales.shape[0] * 8), dtype=np.float32) for _ in range(2)]
+    for w, band in zip((folded, stored), bands):
+        dequantize_tiles_t(w.tiles, 0, t.scales.shape[0], band)
+    assert np.array_equal(bands[0].view(np.uint32), bands[1].view(np.uint32))
+    assert np.array_equal(folded.dequantize(), stored.dequantize())

@@ -8,7 +8,7 @@ QuantizedOps for up to MAX_KERNEL_ROWS rows; attention in between is attention.p
   * `output_mlp`: the output product and residual, RMSNorm, gate/up, SwiGLU, down and residual.
 
 A matrix is passed as the tuple `kernel_args` makes: (codes, scales, offsets, tail codes, tail scales,
-tail offsets, group), model/qtiles.py's layout. With the codes in the integer dot-product layout (3-D,
+tail offsets, group, factor), model/qtiles.py's layout. With the codes in the integer dot-product layout (3-D,
 `qtiles.to_dot_codes`) the same two calls round each product's input to int8 and take integer dot
 products (the model's `activations="q8"`, kernels/qdot.py): `_product` picks the kind by the codes' rank
 when numba compiles, one specialisation per layout. Each product is one parallel call, its tiles over the
@@ -39,13 +39,16 @@ def _product(x, w, out):
 @njit(parallel=True, fastmath={"reassoc", "contract"}, cache=True)
 def _float_product(x, w, out):
     xsum = np.zeros((0, 0), dtype=np.float32)
-    if w[2].shape[0] != 0:
+    if w[2].shape[0] != 0 or w[5].shape[0] != 0:
         xsum = np.empty((x.shape[0], x.shape[1] // w[6]), dtype=np.float32)
         group_sums_into(x, w[6], xsum)
+    tile_sum = xsum
+    if w[7] != np.float32(1) and w[2].shape[0] != 0:  # offsets folded into the scales (qgemv.kernel_args)
+        tile_sum = xsum * w[7]
     tiles = w[0].shape[0]
     for t in prange(tiles + 1):
         if t < tiles:
-            product_tile(x, xsum, w[0], w[1], w[2], w[6], out, t)
+            product_tile(x, tile_sum, w[0], w[1], w[2], w[6], out, t)
         else:
             tail_rows(x, xsum, w[3], w[4], w[5], w[6], out, tiles * 8)
 

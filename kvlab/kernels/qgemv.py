@@ -87,14 +87,15 @@ def group_sums_into(x, group, xsum):
 
 
 @njit(parallel=True, cache=True)
-def _qmatmul(x, xsum, codes, scales, offsets, t_codes, t_scales, t_offsets, group, out):
-    """out [M, N] = x @ W.T for W as (tiles, tail); tiles over the threads, the tail on the last index."""
+def _qmatmul(x, xsum, t_xsum, codes, scales, offsets, t_codes, t_scales, t_offsets, group, out):
+    """out [M, N] = x @ W.T for W as (tiles, tail); tiles over the threads, the tail on the last index. The
+    tiles' offsets multiply `xsum`, the tail's `t_xsum` (they differ by a folded factor: `kernel_args`)."""
     tiles = codes.shape[0]
     for t in prange(tiles + 1):
         if t < tiles:
             product_tile(x, xsum, codes, scales, offsets, group, out, t)
         else:
-            tail_rows(x, xsum, t_codes, t_scales, t_offsets, group, out, tiles * 8)
+            tail_rows(x, t_xsum, t_codes, t_scales, t_offsets, group, out, tiles * 8)
 
 
 # --- activations rounded to int8 (model/act_quant.py's mode "q8"): integer dot products (kernels/qdot.py) ---
@@ -198,11 +199,22 @@ def group_sums(x: np.ndarray, group: int) -> np.ndarray:
     return np.ascontiguousarray(x.reshape(x.shape[0], -1, group).sum(axis=-1, dtype=x.dtype))
 
 
+def tile_offsets(tiles) -> tuple[np.ndarray, np.float32]:
+    """(offsets, factor) of tiles as the float kernels read them (see `kernel_args`)."""
+    if tiles.offsets is None and getattr(tiles, "offset_scale", None) is not None:
+        return tiles.scales, np.float32(tiles.offset_scale)
+    return (NO_OFFSETS if tiles.offsets is None else tiles.offsets), np.float32(1)
+
+
 def kernel_args(tiles, tail) -> tuple:
-    """(codes, scales, offsets, tail codes, tail scales, tail offsets, group) as the kernels take them:
-    absent offsets as an empty array."""
-    return (tiles.codes, tiles.scales, NO_OFFSETS if tiles.offsets is None else tiles.offsets,
-            tail.codes, tail.scales, NO_OFFSETS if tail.offsets is None else tail.offsets, tiles.group)
+    """(codes, scales, offsets, tail codes, tail scales, tail offsets, group, factor) as the kernels take
+    them: absent offsets as an empty array; offsets folded into the scales (Unpacked.offset_scale: Q4_0's
+    -8 * scale) as the scales themselves, with the factor that multiplies the group sums of x they meet
+    (1 otherwise). fma(scale, -8 * sum, acc) and fma(-8 * scale, sum, acc) round the same exact product
+    (a power of two moves no bit): the same result as stored offsets, without the array."""
+    offsets, factor = tile_offsets(tiles)
+    return (tiles.codes, tiles.scales, offsets, tail.codes, tail.scales,
+            NO_OFFSETS if tail.offsets is None else tail.offsets, tiles.group, factor)
 
 
 def qmatmul(x: np.ndarray, tiles, tail) -> np.ndarray:
@@ -210,17 +222,18 @@ def qmatmul(x: np.ndarray, tiles, tail) -> np.ndarray:
     args = kernel_args(tiles, tail)
     rows = tiles.scales.shape[0] * 8 + tail.scales.shape[0]
     out = np.empty((x.shape[0], rows), dtype=np.float32)
-    xsum = group_sums(x, tiles.group) if tiles.offsets is not None else NO_OFFSETS
-    _qmatmul(x, xsum, *args, out)
+    xsum = group_sums(x, tiles.group) if args[2].shape[0] or args[5].shape[0] else NO_OFFSETS
+    t_xsum = xsum * args[7] if args[7] != 1 and args[2].shape[0] else xsum
+    _qmatmul(x, t_xsum, xsum, *args[:7], out)
     return out
 
 
 @njit(parallel=True, cache=True)
-def _dequantize_tiles_t(codes, scales, offsets, group, t0, t1, out):
-    """out[k, 8(t - t0) + r] = scale * code + offset for tiles t0..t1-1: the band transposed, so a tile's
-    eight interleaved codes of one column land in eight adjacent floats (the r loop vectorises: loads and
-    stores both contiguous). IEEE float32 as ggml_quants.dequantize computes it (multiply, then add; no
-    contraction: the same bits)."""
+def _dequantize_tiles_t(codes, scales, offsets, factor, group, t0, t1, out):
+    """out[k, 8(t - t0) + r] = scale * code + offset * factor for tiles t0..t1-1 (factor 1, or a folded
+    offset's power of two: exact): the band transposed, so a tile's eight interleaved codes of one column
+    land in eight adjacent floats (the r loop vectorises: loads and stores both contiguous). IEEE float32
+    as ggml_quants.dequantize computes it (multiply, then add; no contraction: the same bits)."""
     groups = scales.shape[1] // 8
     nibbles = 2 * codes.shape[1] == groups * group * 8
     per = group // 2 if nibbles else group
@@ -238,19 +251,19 @@ def _dequantize_tiles_t(codes, scales, offsets, group, t0, t1, out):
                         low = np.float32(byte & 15) * s
                         high = np.float32(byte >> 4) * s
                         if has_offsets:
-                            low += offsets[t, g * 8 + r]
-                            high += offsets[t, g * 8 + r]
+                            low += offsets[t, g * 8 + r] * factor
+                            high += offsets[t, g * 8 + r] * factor
                         out[k, base + r] = low
                         out[k + per, base + r] = high
                     else:
                         value = np.float32(codes[t, c0 + r]) * s
                         if has_offsets:
-                            value += offsets[t, g * 8 + r]
+                            value += offsets[t, g * 8 + r] * factor
                         out[k, base + r] = value
 
 
 def dequantize_tiles_t(tiles, t0: int, t1: int, out: np.ndarray) -> None:
     """Tiles t0..t1-1 of a tiled matrix (model/qtiles.py) as float32 columns: out [K, 8 (t1 - t0)] is the
     transposed band of rows, a prefill's weights dequantized where BLAS reads them (x @ out)."""
-    offsets = NO_OFFSETS if tiles.offsets is None else tiles.offsets
-    _dequantize_tiles_t(tiles.codes, tiles.scales, offsets, tiles.group, t0, t1, out)
+    offsets, factor = tile_offsets(tiles)
+    _dequantize_tiles_t(tiles.codes, tiles.scales, offsets, factor, tiles.group, t0, t1, out)

@@ -16,7 +16,8 @@ load, into:
 it), so a kernel that reads these arrays computes with exactly the weights of the file. What it costs in
 resident bytes per weight, against the file's (offset-free types keep no offsets):
 
-  Q8_0 1.125 (file 1.0625) · Q4_0 0.75 (0.5625) · Q4_1 0.75 (0.625) · Q5_0 1.125 (0.6875) ·
+  Q8_0 1.125 (file 1.0625) · Q4_0 0.75 (0.5625; 0.625 as QuantizedMatrix tiles keep it: its offsets are
+  folded, model/quantized.py) · Q4_1 0.75 (0.625) · Q5_0 1.125 (0.6875) ·
   Q5_1 1.25 (0.75) · Q4_K 0.75 (0.5625) · Q5_K 1.25 (0.6875) · Q6_K 1.25 (0.8203) · Q3_K 1.25 (0.4297) ·
   Q2_K 1.5 (0.3281)
 
@@ -55,12 +56,15 @@ def resident_bytes(type_name: str, shape: tuple[int, int]) -> int:
 
 @dataclass(frozen=True)
 class Unpacked:
-    """codes [N, K] int8 or [N, K/2] uint8 nibbles; scales/offsets [N, K/group]; offsets None if zero."""
+    """codes [N, K] int8 or [N, K/2] uint8 nibbles; scales/offsets [N, K/group]; offsets None if zero, or
+    when `offset_scale` is set, `offset_scale * scales` (Q4_0's -8 * scale, exact: kept only as the factor
+    by the quantized matrices' tiles, so a Q4_0 model holds no offsets array)."""
 
     codes: np.ndarray
     scales: np.ndarray
     offsets: np.ndarray | None
     group: int
+    offset_scale: float | None = None
 
     @property
     def nibbles(self) -> bool:

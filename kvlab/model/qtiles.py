@@ -39,8 +39,10 @@ def _deinterleave(tiled: np.ndarray, groups: int) -> np.ndarray:
     return np.ascontiguousarray(shaped.transpose(0, 3, 1, 2)).reshape(tiles * LANES, shaped.shape[1] * shaped.shape[2])
 
 
-def to_tiles(u: Unpacked) -> tuple[Unpacked, Unpacked]:
-    """(tiles, tail) of a row-ordered matrix: whole tiles of 8 rows interleaved, the rest row-ordered."""
+def to_tiles(u: Unpacked, tail_offsets_only: bool = False) -> tuple[Unpacked, Unpacked]:
+    """(tiles, tail) of a row-ordered matrix: whole tiles of 8 rows interleaved, the rest row-ordered.
+    `tail_offsets_only`: `u.offsets` holds the tail rows' offsets alone (the tiles' are folded, see
+    QuantizedMatrix.from_unpacked); the tiles get none."""
     rows, groups = u.scales.shape
     tiles = rows // LANES
     whole = tiles * LANES
@@ -48,6 +50,8 @@ def to_tiles(u: Unpacked) -> tuple[Unpacked, Unpacked]:
     def split(a: np.ndarray | None) -> tuple[np.ndarray | None, np.ndarray | None]:
         if a is None:
             return None, None
+        if a is u.offsets and tail_offsets_only:
+            return None, a.copy()
         # a copy even when empty: a view would keep the whole row-ordered array alive (a second copy of
         # every matrix, measured: 2.6 GB resident for a 578 MiB Q4_0 file)
         return _interleave(a, tiles, groups), a[whole:].copy()

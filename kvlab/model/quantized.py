@@ -31,6 +31,8 @@ QUANTIZE_TYPES = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
 TILE_VALUES = 1 << 18  # float32 values of one dequantized tile in a prefill product (1 MiB: stays in L2)
 
 
+# types whose offsets are a power of two times the scale, kept as that factor in the float layout's tiles
+FOLDED_OFFSETS = {"Q4_0": -8.0}
 # types whose scales are the file's own float16 (the dot layout keeps them so); the K types' product scales
 # (d * sub-block scale) are rarely exact in float16 and stay float32
 HALF_SCALE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
@@ -42,10 +44,11 @@ def predicted_bytes(type_name: str, shape: tuple[int, int], activations: str = "
     integer kernels' layout of the whole tiles (codes alike, scales float16 for HALF_SCALE_TYPES, offsets
     float32 except Q4_0's, folded) plus the tail rows in the float layout. For the float16-scale types the
     q8 figure is the file's own bytes."""
-    if activations != "q8":
-        return resident_bytes(type_name, shape)
     rows, cols = shape
     tiled = rows // LANES * LANES
+    if activations != "q8":  # Q4_0's tiles keep no offsets (FOLDED_OFFSETS), its tail rows do
+        folded = tiled * cols // GROUPS[type_name] * 4 if type_name in FOLDED_OFFSETS else 0
+        return resident_bytes(type_name, shape) - folded
     code_bytes = cols // 2 if type_name in NIBBLE_TYPES else cols
     per_group = (2 if type_name in HALF_SCALE_TYPES else 4) + (4 if type_name in OFFSET_TYPES and type_name != "Q4_0" else 0)
     return tiled * (code_bytes + cols // GROUPS[type_name] * per_group) + resident_bytes(type_name, (rows - tiled, cols))
@@ -73,8 +76,17 @@ class QuantizedMatrix:
 
     @classmethod
     def from_unpacked(cls, type_name: str, unpacked: Unpacked) -> "QuantizedMatrix":
-        """The matrix of row-ordered codes/scales/offsets, tiled for the kernels (a transpose, once)."""
-        return cls(type_name, *to_tiles(unpacked))
+        """The matrix of row-ordered codes/scales/offsets, tiled for the kernels (a transpose, once). Q4_0's
+        offsets (-8 * scale by definition) are kept for the tail rows only: the tiles hold the factor
+        (Unpacked.offset_scale), read by the kernels as the scales times -8 (qgemv.kernel_args)."""
+        folded = type_name in FOLDED_OFFSETS and unpacked.offsets is not None
+        if folded:
+            whole = unpacked.scales.shape[0] // LANES * LANES
+            unpacked = Unpacked(unpacked.codes, unpacked.scales, unpacked.offsets[whole:], unpacked.group)
+        tiles, tail = to_tiles(unpacked, tail_offsets_only=folded)
+        if folded:
+            tiles = Unpacked(tiles.codes, tiles.scales, None, tiles.group, FOLDED_OFFSETS[type_name])
+        return cls(type_name, tiles, tail)
 
     @classmethod
     def from_blocks(cls, type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> "QuantizedMatrix":
@@ -123,6 +135,8 @@ class QuantizedMatrix:
             half = t.scales.astype(np.float16)
         scales = half.view(np.uint16) if np.array_equal(half.astype(np.float32), t.scales) else t.scales
         no_offsets = np.zeros((0, 0), dtype=np.float32)
+        if t.offsets is None and t.offset_scale == -8.0:  # folded already: Q4_0's bias 8
+            return codes, scales, no_offsets, 8
         if not t.nibbles:
             return codes, scales, no_offsets if t.offsets is None else t.offsets, 128
         if t.offsets is not None and np.array_equal(t.offsets, t.scales * np.float32(-8)):
@@ -142,7 +156,11 @@ class QuantizedMatrix:
         if self._tiles is not None:
             return self._tiles
         scales, offsets = self._dot_scales_offsets()
-        return Unpacked(from_dot_codes(self._dot[0], self.tail.scales.shape[1]), scales, offsets, self.group)
+        codes = from_dot_codes(self._dot[0], self.tail.scales.shape[1])
+        fold = FOLDED_OFFSETS.get(self.type_name)
+        if fold is not None and offsets is not None and self._dot[3] == 8:
+            return Unpacked(codes, scales, None, self.group, fold)
+        return Unpacked(codes, scales, offsets, self.group)
 
     # --- array-like -------------------------------------------------------------------------------------
     @property
@@ -192,7 +210,7 @@ class QuantizedMatrix:
         codes = (self._tiles.codes if self._tiles is not None else self._dot[0]).nbytes
         tail = sum(a.nbytes for a in (self.tail.codes, self.tail.scales, self.tail.offsets) if a is not None)
         if want == "float":
-            per_group = 4 * (2 if self.type_name in OFFSET_TYPES else 1)
+            per_group = 4 * (2 if self.type_name in OFFSET_TYPES and self.type_name not in FOLDED_OFFSETS else 1)
             return codes + tiled * groups * per_group + tail
         half = self._tiles.scales.astype(np.float16)  # exact in float16: as `_make_dot` decides
         scale = 2 if np.array_equal(half.astype(np.float32), self._tiles.scales) else 4
@@ -220,7 +238,11 @@ class QuantizedMatrix:
         with self._lock:
             if self._tiles is not None:
                 t = self._tiles
-                return gather_rows(t if codes else Unpacked(None, t.scales, t.offsets, t.group), self.tail, index)
+                picked = gather_rows(t if codes else Unpacked(None, t.scales, t.offsets, t.group), self.tail, index)
+                if t.offsets is None and t.offset_scale is not None:  # folded: every row's offset is scale * factor
+                    picked = Unpacked(picked.codes, picked.scales, picked.scales * np.float32(t.offset_scale),
+                                      picked.group)
+                return picked
             index = np.asarray(index, dtype=np.int64).reshape(-1)
             scales, offsets = self._dot_scales_offsets()
             picked = gather_rows(Unpacked(None, scales, offsets, self.group), self.tail, index)  # codes below
@@ -250,7 +272,8 @@ class QuantizedMatrix:
             t, dot = self._tiles, self._dot
         if t is not None:
             view = QuantizedMatrix(self.type_name, Unpacked(t.codes[t0:t1], t.scales[t0:t1],
-                                                            None if t.offsets is None else t.offsets[t0:t1], t.group), tail)
+                                                            None if t.offsets is None else t.offsets[t0:t1], t.group,
+                                                            t.offset_scale), tail)
         else:  # the same rows of the integer kernels' layout (an empty offsets array means none: kept as is)
             codes, scales, offsets, bias = dot
             view = QuantizedMatrix(self.type_name, None, tail)
