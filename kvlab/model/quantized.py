@@ -59,7 +59,7 @@ class QuantizedMatrix:
     (the N % 8 rows after them, row-ordered codes/scales/offsets, model/qtiles.py, model/ggml_quants.py).
 
     The layouts: `tiles`, the float kernels' (codes, float32 scales and offsets, interleaved by row: the
-    exact products, kernels/qgemv.py), and `dot_layout`, the integer kernels' (codes in quads, float16
+    exact products, kernels/qgemv.py; Q4_0's offsets as the factor -8 on the scales, FOLDED_OFFSETS), and `dot_layout`, the integer kernels' (codes in quads, float16
     scales where exact, Q4_0's offsets folded into a bias: `activations="q8"`, kernels/qdot.py). Asking
     for one converts from the other and drops it (a permutation of the same codes, the same values), so a
     model keeps one copy of its codes in either mode; the embedding lookup, `rows`, `dequantize` and the
