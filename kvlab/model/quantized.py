@@ -243,17 +243,28 @@ class QuantizedMatrix:
                     picked = Unpacked(picked.codes, picked.scales, picked.scales * np.float32(t.offset_scale),
                                       picked.group)
                 return picked
+            # the dot layout: only the rows taken are widened (an embedding lookup per decode step must not
+            # convert the whole table's scales)
             index = np.asarray(index, dtype=np.int64).reshape(-1)
-            scales, offsets = self._dot_scales_offsets()
-            picked = gather_rows(Unpacked(None, scales, offsets, self.group), self.tail, index)  # codes below
-            if not codes:
-                return picked
-            whole = scales.shape[0] * LANES
-            in_tiles = index < whole
-            codes = np.empty((index.shape[0], self.tail.codes.shape[1]), dtype=self.tail.codes.dtype)
-            codes[in_tiles] = gather_dot_codes(self._dot[0], index[in_tiles])
-            codes[~in_tiles] = self.tail.codes[index[~in_tiles] - whole]
-            return Unpacked(codes, picked.scales, picked.offsets, self.group)
+            dot_codes, dot_scales, dot_offsets, bias = self._dot
+            whole = dot_scales.shape[0] * LANES
+            inside, tail_rows = index < whole, index[index >= whole] - whole
+            tiled = gather_rows(Unpacked(None, dot_scales, dot_offsets if dot_offsets.shape[0] else None, self.group),
+                                self.tail, index[inside])
+            widened = tiled.scales.view(np.float16).astype(np.float32) if dot_scales.dtype == np.uint16 else tiled.scales
+            scales = np.empty((index.shape[0], self.tail.scales.shape[1]), dtype=np.float32)
+            scales[inside], scales[~inside] = widened, self.tail.scales[tail_rows]
+            offsets = None
+            if self.tail.offsets is not None:  # the tail keeps offsets exactly when the tiles had them
+                offsets = np.empty_like(scales)
+                offsets[inside] = widened * np.float32(-8) if bias == 8 else tiled.offsets
+                offsets[~inside] = self.tail.offsets[tail_rows]
+            picked = None
+            if codes:
+                picked = np.empty((index.shape[0], self.tail.codes.shape[1]), dtype=self.tail.codes.dtype)
+                picked[inside] = gather_dot_codes(dot_codes, index[inside])
+                picked[~inside] = self.tail.codes[tail_rows]
+            return Unpacked(picked, scales, offsets, self.group)
 
     def row_view(self, start: int, stop: int) -> "QuantizedMatrix":
         """Rows start:stop sharing this matrix's arrays when both ends fall on tile boundaries (or stop is
