@@ -14,6 +14,7 @@ tokens over the wall time of its `generate` calls (prefill included), and the ra
 of the per-round ratios. Acceptance = accepted guesses / guesses, from the engine's spec_decode counters.
 
     python bench/bench_speculative.py [--rounds 5] [--tokens 96] [--k 5] [--threads 1] [--quick]
+    python bench/bench_speculative.py --model SmolLM2-135M-Instruct.Q4_1.gguf   # an instruct model, chat prompts
 
 Writes bench/out/bench_speculative.json. The machine may be shared: only ratios within one run mean anything.
 """
@@ -67,6 +68,21 @@ def prompts(kind: str) -> list[str]:
 KINDS = ["copy", "code edit", "quote summary", "free text"]
 
 
+def chat_requests(kind: str) -> list[str]:
+    """The same four kinds as user messages for an instruct model (--model): copy the passage, rewrite the
+    function renamed, summarise quoting the passage, write freely."""
+    passages = [f"{a}.\n{b}." for a, b in zip(LINES, LINES[1:] + LINES[:1])]
+    if kind == "copy":
+        return [f"Repeat the following text exactly, word for word:\n\n{p}" for p in passages]
+    if kind == "code edit":
+        return [f"Rewrite this Python function with its name changed to {name}_again, everything else the same:"
+                f"\n\ndef {name}(lord, lady):\n    line = \"{line[:40]}\"\n    if lord:\n        return line\n"
+                f"    return lady + line\n" for name, line in zip(NAMES, LINES)]
+    if kind == "quote summary":
+        return [f"Summarize this passage in one sentence, then quote it in full:\n\n{p}" for p in passages]
+    return [f"Write a short story that begins: {opening}" for opening in OPENINGS]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -75,6 +91,12 @@ def main() -> int:
     parser.add_argument("--draft-k", type=int, default=3, help="num_speculative_tokens for the draft (default 3)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="2 rounds, 48 tokens (a smoke run)")
+    parser.add_argument("--model", help="an instruct model (HF folder or .gguf) asked through its chat template "
+                                        "instead of the shipped model")
+    parser.add_argument("--draft", help="the draft model for --model (default: none, no draft column); the "
+                                        "shipped model's draft is its own Q8_0 copy")
+    parser.add_argument("--disable-by-batch-size", type=int, default=4,
+                        help="the 'ngram-off' mode: ngram with disable_by_batch_size N (default 4)")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.tokens = 2, 48
@@ -84,20 +106,28 @@ def main() -> int:
     from kvlab import Engine, SamplingParams
     from kvlab.hf import DEFAULT_MODEL_DIR
 
-    model, tokenizer = kvlab.load()
-    tmp = Path(tempfile.mkdtemp(prefix="kvlab-bench-spec-"))
-    draft = tmp / "draft-q8_0.gguf"
-    subprocess.run([sys.executable, "-m", "kvlab", "quantize", "--type", "q8_0", str(DEFAULT_MODEL_DIR), str(draft)],
-                   check=True, capture_output=True)
+    model, tokenizer = kvlab.load(args.model) if args.model else kvlab.load()
+    draft = args.draft
+    if not args.model:
+        draft = str(Path(tempfile.mkdtemp(prefix="kvlab-bench-spec-")) / "draft-q8_0.gguf")
+        subprocess.run([sys.executable, "-m", "kvlab", "quantize", "--type", "q8_0", str(DEFAULT_MODEL_DIR), draft],
+                       check=True, capture_output=True)
     configs = {
         "plain": None,
         "ngram": {"method": "ngram", "num_speculative_tokens": args.k},
-        "draft": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": args.draft_k},
+        "ngram-off": {"method": "ngram", "num_speculative_tokens": args.k,
+                      "disable_by_batch_size": args.disable_by_batch_size},
     }
+    if draft:
+        configs["draft"] = {"method": "draft_model", "model": draft, "num_speculative_tokens": args.draft_k}
     engines = {mode: Engine(model, tokenizer, speculative_config=spec, enable_prefix_caching=False, max_num_seqs=8)
                for mode, spec in configs.items()}
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
-    ids = {kind: [tokenizer.encode(p) for p in prompts(kind)] for kind in KINDS}
+    if args.model:
+        ids = {kind: [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in chat_requests(kind)]
+               for kind in KINDS}
+    else:
+        ids = {kind: [tokenizer.encode(p) for p in prompts(kind)] for kind in KINDS}
     context = model.config.max_position_embeddings
     for kind, group in ids.items():
         assert max(len(p) for p in group) + args.tokens <= context, (kind, max(len(p) for p in group))
@@ -153,21 +183,25 @@ def main() -> int:
             ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name"))
     except (StopIteration, OSError):
         pass
-    header = (f"| prompts | batch | plain tok/s | ngram tok/s (x plain) | ngram accepted | draft tok/s (x plain) "
-              f"| draft accepted |\n|---|---|---|---|---|---|---|")
-    print(f"\nshipped model (kvlab.load(), float32), greedy, {args.tokens} new tokens x 8 requests, ngram k={args.k}, "
-          f"draft Q8_0 copy k={args.draft_k}, {args.rounds} rounds, OPENBLAS_NUM_THREADS="
-          f"{os.environ['OPENBLAS_NUM_THREADS']}, CPU: {cpu}; same text in every mode: {same}\n")
+    modes = [m for m in configs if m != "plain"]
+    header = ("| prompts | batch | plain tok/s | " + " | ".join(f"{m} tok/s (x plain) | {m} accepted" for m in modes)
+              + " |\n|---|---|---|" + "---|---|" * len(modes))
+    name = args.model or "shipped model (kvlab.load(), float32)"
+    print(f"\n{name}, greedy, {args.tokens} new tokens x 8 requests, ngram k={args.k}, ngram-off: "
+          f"disable_by_batch_size {args.disable_by_batch_size}, draft {draft or '-'} k={args.draft_k}, {args.rounds} "
+          f"rounds, OPENBLAS_NUM_THREADS={os.environ['OPENBLAS_NUM_THREADS']}, CPU: {cpu}; same text in every mode: "
+          f"{same}\n")
     print(header)
     for r in rows:
-        acc = {m: ("-" if r[f"{m}_acceptance"] is None else f"{100 * r[f'{m}_acceptance']:.0f} %")
-               for m in ("ngram", "draft")}
-        print(f"| {r['kind']} | {r['batch']} | {r['plain_tok_s']:.0f} | {r['ngram_tok_s']:.0f} "
-              f"({r['ngram_ratio']:.2f}x) | {acc['ngram']} | {r['draft_tok_s']:.0f} ({r['draft_ratio']:.2f}x) "
-              f"| {acc['draft']} |")
+        cells = []
+        for m in modes:
+            acc = "-" if r[f"{m}_acceptance"] is None else f"{100 * r[f'{m}_acceptance']:.0f} %"
+            cells.append(f"{r[f'{m}_tok_s']:.0f} ({r[f'{m}_ratio']:.2f}x) | {acc}")
+        print(f"| {r['kind']} | {r['batch']} | {r['plain_tok_s']:.0f} | " + " | ".join(cells) + " |")
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "bench_speculative.json").write_text(json.dumps(
-        {"cpu": cpu, "rounds": args.rounds, "tokens": args.tokens, "k": args.k, "draft_k": args.draft_k,
+    stem = f"bench_speculative_{Path(args.model).stem}" if args.model else "bench_speculative"
+    (OUT / f"{stem}.json").write_text(json.dumps(
+        {"model": name, "cpu": cpu, "rounds": args.rounds, "tokens": args.tokens, "k": args.k, "draft_k": args.draft_k,
          "same_text": same, "rows": rows}, indent=1))
     return 0 if same else 1
 
