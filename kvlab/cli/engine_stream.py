@@ -141,7 +141,7 @@ def refuse_plain_only_flags(args: argparse.Namespace) -> None:
 def generate_with_engine(args: argparse.Namespace, model: Any, tokenizer: Any, text: str, prompt: list[int],
                          spec: SpeculativeConfig, resolved: Any, seed_drawn: bool) -> int:
     """`kvlab generate` through the Engine: echo the prompt, stream the completion, one stats line."""
-    from kvlab.cli.generate import TextStream, chat_template_hint, check_prompt, stop_token_ids
+    from kvlab.cli.generate import check_prompt, open_stream, stop_token_ids
     from kvlab.cli.sampling_flags import compiled_grammar
 
     context = model.config.max_position_embeddings
@@ -162,16 +162,7 @@ def generate_with_engine(args: argparse.Namespace, model: Any, tokenizer: Any, t
     params = SamplingParams(**resolved.values, seed=args.seed, max_tokens=max_tokens, ignore_eos=args.ignore_eos,
                             stop_token_ids=tuple(stop),
                             grammar=compiled_grammar(args, tokenizer, model.config.vocab_size, stop))
-    hint = chat_template_hint(tokenizer, args.chat)
-    if hint:
-        print(hint, file=sys.stderr, flush=True)
-    stream = TextStream(tokenizer, prompt, sys.stdout, stop)
-    if not (args.chat or args.no_display_prompt):
-        stream.write_prompt(text)
-    if args.verbose:
-        print(resolved.describe(), file=sys.stderr, flush=True)
-        if seed_drawn:
-            print(drawn_seed_note(args.seed), file=sys.stderr, flush=True)
+    stream = open_stream(args, tokenizer, text, prompt, stop, resolved, seed_drawn)
     before = spec_counts(engine)
     stream.start()
     try:

@@ -252,6 +252,23 @@ def stop_token_ids(model: LlamaModel, tokenizer: Any) -> list[int]:
     return sorted(ids)
 
 
+def open_stream(args: argparse.Namespace, tokenizer: Any, text: str, prompt: list[int], stop: list[int],
+                resolved: Any, seed_drawn: bool) -> "TextStream":
+    """What both of generate's paths say before the first token: the chat-template hint, the echoed prompt,
+    and (-v) the sampling settings; the stream the completion is written to."""
+    hint = chat_template_hint(tokenizer, args.chat)
+    if hint:
+        print(hint, file=sys.stderr, flush=True)
+    stream = TextStream(tokenizer, prompt, sys.stdout, stop)
+    if not (args.chat or args.no_display_prompt):
+        stream.write_prompt(text)
+    if args.verbose:
+        print(resolved.describe(), file=sys.stderr, flush=True)
+        if seed_drawn:
+            print(drawn_seed_note(args.seed), file=sys.stderr, flush=True)
+    return stream
+
+
 # --- the command --------------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
     from kvlab.loader import load
@@ -282,16 +299,7 @@ def run(args: argparse.Namespace) -> int:
     with compiling_kernels() as warm_up:  # a first run compiles, and says so; a warm one loads numba's disk cache
         model.warm_up(args.kv_dtype)  # so the prefill figure is the prefill's own
     check_prompt(prompt, context, policy)  # before the prompt is echoed
-    hint = chat_template_hint(tokenizer, args.chat)
-    if hint:
-        print(hint, file=sys.stderr, flush=True)
-    stream = TextStream(tokenizer, prompt, sys.stdout, stop)
-    if not (args.chat or args.no_display_prompt):
-        stream.write_prompt(text)
-    if args.verbose:
-        print(resolved.describe(), file=sys.stderr, flush=True)
-        if seed_drawn:
-            print(drawn_seed_note(args.seed), file=sys.stderr, flush=True)
+    stream = open_stream(args, tokenizer, text, prompt, stop, resolved, seed_drawn)
     stream.start()
     sampling = dict(**resolved.values, seed=args.seed,
                     grammar=compiled_grammar(args, tokenizer, model.config.vocab_size, stop))
