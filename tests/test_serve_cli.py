@@ -14,9 +14,11 @@ import pytest
 
 import kvlab
 from gguf_files import small_config, write_gguf
+from kvlab import TinyLlama
 from kvlab.cache.quant import QuantFormat
 from kvlab.cli import build_parser
-from kvlab.cli.serve import build_engine
+from kvlab.cli.fmt import human_bytes
+from kvlab.cli.serve import build_engine, kv_pool_summary
 from kvlab.engine.engine import Engine
 from kvlab.sampling.sampler import SamplingParams
 from serve_helpers import ServerProcess, clean_exit
@@ -76,3 +78,17 @@ def test_serve_verify_and_fidelity_help_name_gguf(capsys):
         with pytest.raises(SystemExit):
             build_parser().parse_args([command, "--help"])
         assert ".gguf" in capsys.readouterr().out, command
+
+
+def test_the_startup_line_counts_every_kv_group_of_a_hybrid_model():
+    """Before: only group 0 (the full-attention layers) was printed, so a Gemma-style model's sliding pools,
+    most of its layers, were missing from what the server said it holds."""
+    layer_types = ("sliding_attention", "sliding_attention", "full_attention")
+    model = TinyLlama(seed=4, num_hidden_layers=3, layer_types=layer_types, interleaved_sliding_window=8)
+    engine = Engine(model, None, block_size=4, num_blocks=16)
+    line = kv_pool_summary(engine)
+    full, sliding = engine.kv_groups
+    assert f"full (1 layer) 16 blocks, {human_bytes(full.pool.capacity_bytes)}" in line
+    assert f"sliding 8 (2 layers) {sliding.pool.num_blocks} blocks, {human_bytes(sliding.pool.capacity_bytes)}" in line
+    assert f"total {human_bytes(full.pool.capacity_bytes + sliding.pool.capacity_bytes)}" in line
+    assert kv_pool_summary(Engine(TinyLlama(seed=4), None, block_size=4, num_blocks=16)) == "16 blocks x 4 tokens"

@@ -134,6 +134,21 @@ def build_engine(args: argparse.Namespace):
     return engine, tokenizer, name, str(folder)
 
 
+def kv_pool_summary(engine) -> str:
+    """The startup line's KV pool: blocks x block size, and on a hybrid model each KV-cache group's blocks and
+    bytes (kvlab/engine/kv_groups.py), so the sliding layers' pools are not left out of what the server holds."""
+    from kvlab.cli.fmt import human_bytes
+
+    size = engine.config.block_size
+    if len(engine.kv_groups) == 1:
+        return f"{engine.block_pool.num_blocks} blocks x {size} tokens"
+    parts = [f"{'full' if g.window is None else f'sliding {g.window}'} ({len(g.layers)} layer"
+             f"{'s' if len(g.layers) > 1 else ''}) "
+             f"{g.pool.num_blocks} blocks, {human_bytes(g.pool.capacity_bytes)}" for g in engine.kv_groups]
+    total = sum(g.pool.capacity_bytes for g in engine.kv_groups)
+    return f"KV groups x {size} tokens: {'; '.join(parts)} (total {human_bytes(total)})"
+
+
 def warm_up_engine(engine) -> None:
     """Run throwaway requests through a scratch engine on the same model, cache dtype and block size (a short
     one, then one past PARALLEL_MIN_ROWS key rows), so numba compiles, or loads from its disk cache, every
@@ -198,9 +213,8 @@ def run(args: argparse.Namespace) -> int:
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5, access_log=False)
-    pool = engine.block_pool
     print(f"kvlab serve: {names[0]} on http://{args.host}:{args.port} (explorer at /, metrics at /metrics) | "
-          f"{pool.num_blocks} blocks x {args.block_size} tokens | max_model_len {engine.max_model_len} | "
+          f"{kv_pool_summary(engine)} | max_model_len {engine.max_model_len} | "
           f"prefix caching {'on' if args.enable_prefix_caching else 'off'}"
           + (f" | kv policy {engine.kv_policy}" if engine.kv_policy is not None else "")
           + (f" | speculative {engine.speculator.config.method} k={engine.speculator.config.num_speculative_tokens}"
