@@ -41,8 +41,14 @@ def slot_mapping(block_table: Sequence[int], start: int, count: int, block_size:
 def write_slots(key_cache: np.ndarray, value_cache: np.ndarray, slot_mapping: np.ndarray,
                 keys: np.ndarray, values: np.ndarray) -> None:
     """Store keys/values [N, H_kv, d] at global slots [N] (slot = block * block_size + row) of one layer."""
-    block_size = key_cache.shape[2]
-    blocks, rows = np.divmod(slot_mapping, block_size)
+    blocks, rows = np.divmod(slot_mapping, key_cache.shape[2])
+    write_rows(key_cache, value_cache, blocks, rows, keys, values)
+
+
+def write_rows(key_cache: np.ndarray, value_cache: np.ndarray, blocks: np.ndarray, rows: np.ndarray,
+               keys: np.ndarray, values: np.ndarray) -> None:
+    """`write_slots` with the slots already split into (block, row): a forward splits them once for all
+    its layers."""
     if isinstance(key_cache, QuantizedBlocks):  # int8/int4/fp8 pool: quantize rows as they are written
         key_cache.write(blocks, rows, keys)
         value_cache.write(blocks, rows, values)

@@ -1,0 +1,102 @@
+"""Session files in and out of the engine's prefix cache: `--prompt-cache FILE` and chat's /save and /load on
+the one runtime.
+
+A session file (kvlab/sessions/persist.py: safetensors, SHA-256 checked, refused when it is from another
+model or dtype) holds one sequence's K/V rows and their token ids. Loading writes the file's whole blocks
+into pool blocks and registers them in the prefix cache under the chain keys a request for those tokens
+computes, so the next request finds them as it finds any cached prefix; the rows of a last partial block are
+recomputed (prefix caching works in whole blocks, as vLLM's). Saving reads the longest cached run of a token
+sequence's blocks back into one contiguous KVCache and writes it. Nothing is registered before the file has
+been verified; a pool too small for the whole file takes its first blocks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvlab.cache.kv_cache import KVCache
+from kvlab.cache.paged import gather_blocks, write_rows
+from kvlab.errors import InputError
+from kvlab.prefix.block_hash import root_key
+from kvlab.sessions.persist import SavedSession, read_session_file, write_session_file
+
+
+def _check_engine(engine: Any, doing: str) -> None:
+    """Session files hold every layer's float rows of one block table: a quantized pool or a hybrid model's
+    per-window groups have no such table."""
+    if len(engine.kv_groups) > 1:
+        raise InputError(f"cannot {doing} a session file on this model: its layer types keep KV-cache groups of "
+                         "their own (sliding layers hold only their window)")
+    if not isinstance(engine.block_pool.key_cache[0], np.ndarray):
+        raise InputError(f"session files hold float K/V rows; a {engine.kv_cache_dtype} cache cannot "
+                         f"{doing} them (use a float cache dtype for sessions and prompt caches)")
+
+
+def _root(engine: Any) -> bytes:
+    """The unsalted chain root every CLI request uses (Engine._make_request's)."""
+    return root_key(engine.model.fingerprint, engine.model.dtype, engine.kv_cache_dtype)
+
+
+def read_session(engine: Any, path: str | Path) -> SavedSession:
+    """The verified session file at `path`, for `engine` (nothing registered yet). CheckpointError /
+    CacheMismatchError for a damaged file or one from another model or cache dtype."""
+    _check_engine(engine, "load")
+    saved = read_session_file(path, engine.model, getattr(engine.kv_cache_dtype, "name", engine.kv_cache_dtype))
+    if list(saved.cache.positions) != list(range(len(saved.tokens))):
+        raise InputError(f"{path}: its rows are not at positions 0..{len(saved.tokens) - 1} (a shifted cache): "
+                         "it cannot seed a prefix")
+    return saved
+
+
+def register_session(engine: Any, saved: SavedSession) -> int:
+    """Write `saved`'s whole blocks into the pool and register them in the prefix cache (those it already
+    holds are kept); returns how many of its tokens are now cached."""
+    pool, cache = engine.block_pool, engine.prefix_cache
+    tokens, size, root = saved.tokens, pool.block_size, _root(engine)
+    hits, keys = cache.match(tokens, root)
+    if not cache.enabled:
+        return 0
+    pool.acquire(hits)  # held while allocating, so eviction cannot hand out what is already matched
+    try:
+        wanted = max(min(len(tokens) // size - len(hits), pool.num_free_blocks), 0)
+        blocks = pool.allocate(wanted)
+        try:
+            table = hits + blocks
+            rows = np.arange(len(hits) * size, len(table) * size)
+            slot_blocks, slot_rows = np.repeat(np.asarray(blocks, dtype=np.int64), size), rows % size
+            for layer, (k, v) in enumerate(saved.cache):
+                write_rows(pool.key_cache[layer], pool.value_cache[layer], slot_blocks, slot_rows,
+                           k[0].transpose(1, 0, 2)[rows], v[0].transpose(1, 0, 2)[rows])  # [N, H_kv, d]
+            cache.insert(table, tokens, root, len(table) * size, keys)
+        finally:
+            pool.release(blocks)  # registered ones stay cached (evictable), like a finished request's
+    finally:
+        pool.release(hits)
+    return len(table) * size
+
+
+def load_session(engine: Any, path: str | Path) -> tuple[SavedSession, int]:
+    """`read_session`, then `register_session`: the file and how many of its tokens are now cached."""
+    saved = read_session(engine, path)
+    return saved, register_session(engine, saved)
+
+
+def save_session(engine: Any, path: str | Path, token_ids: Sequence[int], extra: dict[str, Any]) -> int:
+    """Write the cached K/V of the longest run of `token_ids`' whole blocks (and `extra`) to `path`.
+
+    Returns the rows written (a multiple of the block size; 0 writes a file that restores nothing)."""
+    _check_engine(engine, "save")
+    pool = engine.block_pool
+    tokens = [int(t) for t in token_ids]
+    hits, _ = engine.prefix_cache.match(tokens, _root(engine))
+    length = len(hits) * pool.block_size
+    table = np.asarray([hits], dtype=np.int64).reshape(1, len(hits))
+    keys = [gather_blocks(k, table, length) for k in pool.key_cache]
+    values = [gather_blocks(v, table, length) for v in pool.value_cache]
+    saved = KVCache.from_arrays(engine.model.cache_spec, keys, values, np.arange(length, dtype=np.int64),
+                                pool.dtype)
+    write_session_file(path, saved, tokens[:length], extra)
+    return length
