@@ -515,6 +515,7 @@ def test_a_preempted_sequence_shows_in_the_cache_state_of_an_engine_with_a_tier(
 def test_a_stop_string_twice_in_one_token_cuts_the_text_at_the_first():
     """The shipped tokenizer's ' possess' holds the stop string 'ss' twice: the text ends before the first."""
     import kvlab
+    from kvlab.engine.output_processor import OutputProcessor
     from kvlab.engine.request import Request, Status
     from kvlab.engine.scheduler import Scheduler
 
@@ -529,7 +530,7 @@ def test_a_stop_string_twice_in_one_token_cuts_the_text_at_the_first():
     scheduler.running.append(seq)
     logits = np.zeros((1, tokenizer.vocab_size))
     logits[0, token] = 1.0   # greedy picks ' possess'
-    scheduler.postprocess([seq], logits)
+    OutputProcessor(scheduler).process([seq], logits)
     assert (seq.finish_reason, seq.completion().text, seq.output_token_ids) == ("stop", " po", [token])
 
 
@@ -592,7 +593,7 @@ def test_a_fork_copies_its_shared_partial_block_with_exactly_one_more_block():
 def test_a_model_runner_made_without_bounds_runs_a_step_as_a_full_forward(model):
     """The runner's default bounds (no policy, no window): a 5-token prefill computes the full forward's
     last logits, commits its tokens and registers its one full block."""
-    from kvlab.engine.introspection import StepCounters
+    from kvlab.engine.counters import StepCounters
     from kvlab.engine.model_runner import ModelRunner
     from kvlab.engine.request import Request
 

@@ -139,6 +139,16 @@ def test_the_table_reader_sees_a_missing_row():
     assert documented_layers(text) != [{doc_name(p) for p in prefixes} for _, prefixes in LAYERS]
 
 
+def test_the_scheduler_only_schedules_and_only_the_engine_imports_introspection():
+    """Issue 33: sampling, detokenizing and stop rules are the output stage's (engine/output_processor.py), so
+    the scheduler imports neither sampling nor the decode loop; introspection.py reads the engine, so no part
+    the engine is built from imports it (StepCounters live in engine/counters.py)."""
+    edges = graph()
+    assert [f"{module}:{line} imports {target}" for module, line, target in edges
+            if module == "kvlab.engine.scheduler" and target.startswith(("kvlab.sampling", "kvlab.generation"))] == []
+    assert {module for module, _, target in edges if target == "kvlab.engine.introspection"} == {"kvlab.engine.engine"}
+
+
 def test_the_checker_sees_an_upward_import(tmp_path):
     """The rule can fail: an import from kvlab.cache into kvlab.engine is reported."""
     fake = ROOT / "cache" / "paged.py"

@@ -21,10 +21,12 @@ import numpy as np
 from kvlab import validate
 from kvlab.cache.paged import BlockPool
 from kvlab.engine.config import DEFAULT_MAX_KV_BYTES, EngineConfig  # noqa: F401 (DEFAULT_MAX_KV_BYTES: API)
-from kvlab.engine.introspection import StepCounters, cache_state, engine_stats
+from kvlab.engine.counters import StepCounters
+from kvlab.engine.introspection import cache_state, engine_stats
 from kvlab.engine.kv_bounds import KVBounds
 from kvlab.engine.kv_groups import CacheGroup
 from kvlab.engine.model_runner import ModelRunner
+from kvlab.engine.output_processor import OutputProcessor
 from kvlab.engine.request import Request, RequestOutput, Sequence, Status
 from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.speculative import SpeculativeConfig, Speculator, make_draft
@@ -40,9 +42,10 @@ class Engine:
     """Continuous batching over a BlockPool: `add_request` / `step` / `abort_request`, or `generate`.
 
     The parts, as nano-vllm's: EngineConfig (checked arguments, pool size), BlockPool (blocks and ref
-    counts), PrefixCache (registry, LRU, hit statistics), Scheduler (what runs this step; `postprocess`
-    after it), ModelRunner (the batch and the forward); introspection.py reads them for stats and the
-    explorer. This class is the loop and its public API.
+    counts), PrefixCache (registry, LRU, hit statistics), Scheduler (what runs this step, in which blocks),
+    ModelRunner (the batch, the sink writes and the forward), OutputProcessor (sampling, forks,
+    detokenization and stop rules after it); introspection.py reads them for stats and the explorer. This
+    class is the loop and its public API.
     """
 
     def __init__(self, model: LlamaModel, tokenizer: Any = None, *, kv_tiers: Seq[Any] | None = None,
@@ -74,8 +77,8 @@ class Engine:
             pool = BlockPool(len(layout.layers), c.num_key_value_heads, c.head_dim, config.kv_cache_dtype,
                              config.block_size, layout.num_blocks, compute_dtype=model.dtype)
             cache = PrefixCache(pool, config.enable_prefix_caching)
-            bounds = KVBounds(pool, cache, model.inv_freq, config.kv_policy if index == 0 else None,
-                              layout.window, config.max_num_batched_tokens, group=index)
+            bounds = KVBounds(pool, cache, config.kv_policy if index == 0 else None, layout.window,
+                              config.max_num_batched_tokens, group=index)
             self.kv_groups.append(CacheGroup(index, layout.window, layout.layers, pool, cache, bounds))
         self.block_pool, self.prefix_cache = self.kv_groups[0].pool, self.kv_groups[0].prefix_cache
         # the KV tier and vLLM-format KV events listen to the prefix cache (kvlab/tier/listener.py)
@@ -88,9 +91,10 @@ class Engine:
         self.kv_policy = config.kv_policy
         self.bounds = self.kv_groups[0].bounds
         self.scheduler = Scheduler(self.block_pool, self.prefix_cache, config.max_num_seqs,
-                                   config.max_num_batched_tokens, self.counters, self.bounds, self.kv_groups)
+                                   config.max_num_batched_tokens, self.bounds, self.kv_groups)
         self.runner = ModelRunner(model, self.block_pool, self.prefix_cache, self.counters, self.bounds,
                                   self.kv_groups)
+        self.output_processor = OutputProcessor(self.scheduler, self.counters)
         self.speculator = None if spec_config is None else Speculator(
             spec_config, self.bounds, config.max_model_len,
             make_draft(spec_config, model, tokenizer) if spec_config.method == "draft_model" else None)
@@ -173,7 +177,7 @@ class Engine:
         self._suspended.pop(request_id, None)
         for seq in request.seqs:
             if not seq.finished():
-                self.scheduler.finish(seq, "abort")
+                self.output_processor.finish(seq, "abort")
         del self._requests[request_id]
         self._pending[request_id] = request.output()
 
@@ -208,7 +212,7 @@ class Engine:
             self.speculator.propose_all(list(self.scheduler.running))
         plan = self.scheduler.schedule()
         for seq in plan.too_long:
-            self.scheduler.finish(seq, "length")
+            self.output_processor.finish(seq, "length")
             progressed[seq.request.request_id] = seq.request
         if plan.scheduled:
             self.counters.num_steps += 1
@@ -217,14 +221,14 @@ class Engine:
             for seq in sampled:  # a speculating sequence has a row per guess after its own
                 num_rows = 1 + len(seq.draft)
                 if seq.draft:
-                    self.speculator.verify(seq, logits[row:row + num_rows], self.scheduler, self.runner,
-                                           self.counters)
+                    self.speculator.verify(seq, logits[row:row + num_rows], self.output_processor,
+                                           self.runner, self.counters)
                 else:
                     plain.append(seq)
                     rows.append(row)
                 row += num_rows
             if plain:
-                self.scheduler.postprocess(plain, logits[rows])
+                self.output_processor.process(plain, logits[rows])
             for seq in sampled:
                 progressed[seq.request.request_id] = seq.request
         # Held outputs first (aborts, and others' outputs kept by generate), unless superseded by a newer

@@ -1,35 +1,18 @@
 """What an engine can tell about itself: counters for /metrics and a picture of its pool for the explorer.
 
-The runner and the scheduler add to StepCounters as they work; `engine_stats` and `cache_state` only read,
-so the server may call them between steps from its loop thread.
+The runner and the output stage add to StepCounters (kvlab/engine/counters.py) as they work; `engine_stats`
+and `cache_state` only read, so the server may call them between steps from its loop thread.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from kvlab.engine.request import Sequence, Status
 
 if TYPE_CHECKING:  # the engine imports this module; only its type is needed here
     from kvlab.engine.engine import Engine
-
-
-@dataclass
-class StepCounters:
-    """Tokens the engine has computed, for `Engine.stats` (Prometheus counters in the server)."""
-
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    num_computed_tokens: int = 0
-    num_prefill_tokens: int = 0
-    num_steps: int = 0
-    # speculative decoding (vLLM's spec_decode_* counters): verifications, guesses, guesses kept, and kept
-    # guesses by position (index i: how often the i+1-th guess survived)
-    spec_decode_num_drafts: int = 0
-    spec_decode_num_draft_tokens: int = 0
-    spec_decode_num_accepted_tokens: int = 0
-    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
 def group_stats(engine: "Engine") -> list[dict[str, Any]]:

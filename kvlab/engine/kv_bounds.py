@@ -18,7 +18,8 @@ run here keeps a text prefix [0, s) (sinks, context shift's n_keep) plus a text 
   * the prefix must sit right before the tail (contiguous: sink j at j, tail row at s + i). Its keys are
     re-rotated from the originals (text rows 0..s-1, whose blocks the sequence holds as `sink_source`) by
     ws - s and written at positions ws-s..ws-1 of the table, in private blocks (copy-on-write: a shared
-    or registered block is never changed). Only s rows per layer are rotated per eviction, not the tail;
+    or registered block is never changed). The scheduler gives those blocks (`place_sinks`), the model
+    runner writes the rows before the forward. Only s rows per layer are rotated per step, not the tail;
   * so every query sees one run of keys, view start ws - s .. itself: `BatchInput.key_starts`, which the
     paged kernels take as their key range start. Blocks wholly before the view start are released.
 Positions are text positions and so grow past max_position_embeddings in a long chat; RoPE needs only
@@ -37,10 +38,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvlab.cache.paged import BlockPool, gather_blocks, slot_mapping, write_slots
+from kvlab.cache.paged import BlockPool
 from kvlab.engine.request import Sequence
 from kvlab.policies.base import Policy
-from kvlab.policies.shift import rerotate_keys
 from kvlab.prefix.prefix_cache import PrefixCache
 
 NULL_BLOCK = -1  # a block-table entry given back: positions there are never read again
@@ -84,12 +84,12 @@ def held_blocks(seq: Sequence) -> list[int]:
 class KVBounds:
     """What bounds a sequence's blocks: a sliding window (the model's) and/or a cache policy (the engine's)."""
 
-    def __init__(self, pool: BlockPool, prefix_cache: PrefixCache, inv_freq: np.ndarray,
-                 policy: Policy | None = None, sliding_window: int | None = None,
-                 max_num_batched_tokens: int | None = None, group: int = 0) -> None:
+    def __init__(self, pool: BlockPool, prefix_cache: PrefixCache, policy: Policy | None = None,
+                 sliding_window: int | None = None, max_num_batched_tokens: int | None = None,
+                 group: int = 0) -> None:
         """`group`: which of a sequence's block tables these bounds trim (kvlab/engine/kv_groups.py: a hybrid
         model's sliding layers have their own pool and table; a policy runs only on group 0)."""
-        self.pool, self.prefix_cache, self.inv_freq = pool, prefix_cache, inv_freq
+        self.pool, self.prefix_cache = pool, prefix_cache
         self.policy, self.sliding_window = policy, sliding_window
         self.max_num_batched_tokens = max_num_batched_tokens
         self.group = group
@@ -185,11 +185,15 @@ class KVBounds:
                    if not self._private(seq, seq.block_table[index])
                    and self.pool.ref_counts[seq.block_table[index]] > 1)
 
-    def place_sinks(self, seq: Sequence) -> None:
-        """Write the prefix rows, re-rotated by view_start, at positions view_start..window_start-1."""
+    def sink_view(self, seq: Sequence) -> PolicyView | None:
+        """`seq`'s view if it has sink rows to place before its rows this step (something evicted, a prefix
+        kept); None otherwise."""
         view = seq.kv_view
-        if view is None or not view.evicted or view.prefix == 0:
-            return
+        return view if view is not None and view.evicted and view.prefix else None
+
+    def place_sinks(self, seq: Sequence) -> None:
+        """Give the table entries under positions view_start..window_start-1 private blocks (copy-on-write),
+        where the model runner writes the prefix rows re-rotated by view_start (ModelRunner.write_sinks)."""
         size = self.pool.block_size
         for index in self.sink_indices(seq):
             block = seq.block_table[index]
@@ -201,18 +205,11 @@ class KVBounds:
                 if copy != block:
                     self.pool.copy_block(block, copy, size)  # rows past the sinks may be live tail rows
                 seq.block_table[index] = copy
-        source = np.asarray([view.sink_source], dtype=np.int64)
-        slots = slot_mapping(seq.block_table, view.view_start, view.prefix, size)
-        delta = np.full(view.prefix, view.view_start)
-        for keys, values in zip(self.pool.key_cache, self.pool.value_cache):
-            k = rerotate_keys(gather_blocks(keys, source, view.prefix), delta, self.inv_freq)
-            v = gather_blocks(values, source, view.prefix)
-            write_slots(keys, values, slots, k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2))
 
     def sink_indices(self, seq: Sequence) -> range:
-        """Table indices `place_sinks` writes this step (each becomes a private block)."""
-        view = seq.kv_view
-        if view is None or not view.evicted or view.prefix == 0:
+        """Table indices the sink rows are written to this step (each becomes a private block)."""
+        view = self.sink_view(seq)
+        if view is None:
             return range(0)
         return range(view.view_start // self.pool.block_size, self.pool.blocks_for(view.window_start))
 

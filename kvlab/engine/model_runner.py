@@ -2,24 +2,26 @@
 
 As nano-vllm's ModelRunner: it turns the scheduler's (sequence, tokens this step) pairs into the batch the
 model reads (token ids, absolute positions, per-sequence query and context lengths, block tables, the slot
-mapping new K/V rows are written through, and which rows' logits to return), runs the forward over the
-pool's K/V, and only then advances each sequence's num_computed_tokens and registers its newly full blocks
-in the prefix cache: a block is findable only once every layer has written it. On a hybrid model each
-KV-cache group (kvlab/engine/kv_groups.py) brings its own block tables and slot mapping, and the model reads
-each layer's K/V from its group's pool (GroupedKV).
+mapping new K/V rows are written through, and which rows' logits to return), writes a cache policy's
+re-rotated sink rows (`write_sinks`), runs the forward over the pool's K/V, and only then advances each
+sequence's num_computed_tokens and registers its newly full blocks in the prefix cache: a block is
+findable only once every layer has written it. On a hybrid model each KV-cache group
+(kvlab/engine/kv_groups.py) brings its own block tables and slot mapping, and the model reads each layer's
+K/V from its group's pool (GroupedKV).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from kvlab.cache.paged import BlockPool, slot_mapping
-from kvlab.engine.introspection import StepCounters
+from kvlab.cache.paged import BlockPool, gather_blocks, slot_mapping, write_slots
+from kvlab.engine.counters import StepCounters
 from kvlab.engine.kv_bounds import NULL_BLOCK, KVBounds
 from kvlab.engine.kv_groups import CacheGroup, GroupedKV
 from kvlab.engine.request import Sequence
 from kvlab.model.batch import BatchInput
 from kvlab.model.llama import LlamaModel
+from kvlab.policies.shift import rerotate_keys
 from kvlab.prefix.prefix_cache import PrefixCache
 
 
@@ -34,7 +36,7 @@ class ModelRunner:
         self.pool = pool
         self.prefix_cache = prefix_cache
         self.counters = counters
-        self.bounds = bounds if bounds is not None else KVBounds(pool, prefix_cache, inv_freq=None)
+        self.bounds = bounds if bounds is not None else KVBounds(pool, prefix_cache)
         self.groups = groups if groups is not None else [
             CacheGroup(0, self.bounds.sliding_window, (), pool, prefix_cache, self.bounds)]
         # what the model reads K/V from: the one pool, or each layer's group's pool
@@ -80,11 +82,28 @@ class ModelRunner:
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[np.ndarray, list[Sequence]]:
         """One batched forward over every scheduled token; logits [len(sampled), vocab] and `sampled`."""
         batch, sampled = self.prepare(scheduled)
+        for seq, _ in scheduled:
+            self.write_sinks(seq)
         logits = self.model.forward_batch(batch, self.kv)
         for seq, num_new in scheduled:  # every layer has written: commit, then make full blocks findable
             if not seq.draft:  # a speculating sequence commits what verification keeps (commit_accepted)
                 self.commit(seq, num_new)
         return logits, sampled
+
+    def write_sinks(self, seq: Sequence) -> None:
+        """A policy's prefix rows, re-rotated by view_start from the originals (its sink source), written at
+        positions view_start..window_start-1 into the private blocks the scheduler gave them
+        (KVBounds.place_sinks); nothing without an eviction. Only `prefix` rows per layer are rotated."""
+        view = self.bounds.sink_view(seq)
+        if view is None:
+            return
+        source = np.asarray([view.sink_source], dtype=np.int64)
+        slots = slot_mapping(seq.block_table, view.view_start, view.prefix, self.pool.block_size)
+        delta = np.full(view.prefix, view.view_start)
+        for keys, values in zip(self.pool.key_cache, self.pool.value_cache):
+            k = rerotate_keys(gather_blocks(keys, source, view.prefix), delta, self.model.inv_freq)
+            v = gather_blocks(values, source, view.prefix)
+            write_slots(keys, values, slots, k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2))
 
     def commit(self, seq: Sequence, num_rows: int) -> None:
         """`num_rows` more of `seq`'s tokens have K/V in the pool: count them, register its full blocks."""

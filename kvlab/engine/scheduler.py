@@ -15,9 +15,9 @@ KV-cache groups (kvlab/engine/kv_groups.py), each with its own pool and a table 
 sequence only if every group has the blocks it needs (else the newest is preempted), and a waiting sequence
 is admitted only if every group can hold its first chunk.
 
-After the forward, `postprocess` is nano-vllm's: each sequence that reached its end gets its sampled token
-(sample 0 of an n > 1 request forks its siblings at the first one, copy-on-write), its text is detokenized
-incrementally, and the decode loop's stop rule (kvlab/generation/loop.py) decides whether it finishes.
+The scheduler only schedules: sampling, detokenizing and stop rules are the output stage's
+(kvlab/engine/output_processor.py), which calls `fork` and `finish` here for their blocks. A policy's sink
+rows get their private blocks here (`KVBounds.place_sinks`); the model runner writes their K/V.
 """
 
 from __future__ import annotations
@@ -25,16 +25,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from kvlab.cache.paged import BlockPool
-from kvlab.engine.introspection import StepCounters
 from kvlab.engine.kv_bounds import NULL_BLOCK, KVBounds
 from kvlab.engine.kv_groups import CacheGroup, longest_hit
 from kvlab.engine.request import Sequence, Status
-from kvlab.generation.loop import StopReason, stop_reason
 from kvlab.prefix.prefix_cache import PrefixCache
-from kvlab.sampling.sampler import sample_rows, top_logprobs
 
 
 @dataclass
@@ -47,17 +42,16 @@ class Scheduler:
     """Waiting queue, running list, and the block bookkeeping of admission, growth and preemption."""
 
     def __init__(self, pool: BlockPool, prefix_cache: PrefixCache, max_num_seqs: int,
-                 max_num_batched_tokens: int, counters: StepCounters | None = None,
-                 bounds: KVBounds | None = None, groups: list[CacheGroup] | None = None) -> None:
+                 max_num_batched_tokens: int, bounds: KVBounds | None = None,
+                 groups: list[CacheGroup] | None = None) -> None:
         """`groups`: every KV-cache group, group 0 being (pool, prefix_cache, bounds); None: that one alone."""
         self.pool = pool
         self.prefix_cache = prefix_cache
-        self.bounds = bounds if bounds is not None else KVBounds(pool, prefix_cache, inv_freq=None)
+        self.bounds = bounds if bounds is not None else KVBounds(pool, prefix_cache)
         self.groups = groups if groups is not None else [
             CacheGroup(0, self.bounds.sliding_window, (), pool, prefix_cache, self.bounds)]
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.counters = counters if counters is not None else StepCounters()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -235,6 +229,13 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def finish(self, seq: Sequence) -> None:
+        """Take `seq` out of scheduling for good and give its blocks back (a sample still waiting to fork
+        holds none); why it ended is the output stage's (kvlab/engine/output_processor.py)."""
+        if seq.status is not Status.PENDING_FORK:
+            self.remove(seq)
+        seq.status = Status.FINISHED
+
     def remove(self, seq: Sequence) -> None:
         """Take `seq` out of the queues and release its blocks (finish, abort, preempt)."""
         if seq.status is Status.RUNNING and seq in self.running:
@@ -246,64 +247,3 @@ class Scheduler:
         self.bounds.release(seq)
         seq.block_tables = [[] for _ in seq.block_tables]
         seq.block_keys = []
-
-    # --- after the forward ---------------------------------------------------------------------------------
-    def postprocess(self, sampled: list[Sequence], logits: np.ndarray) -> None:
-        """Sample every sequence's next token from its logits row in one call (forking siblings at the
-        first one: they share sample 0's row), then detokenize and apply the stop rule."""
-        targets, rows = [], []
-        for row, seq in enumerate(sampled):
-            targets.append(seq)
-            rows.append(row)
-            request = seq.request
-            if not request.forked:  # sample 0 has just finished the prompt: the other samples start here
-                for child in request.seqs[1:]:
-                    self.fork(seq, child)
-                    targets.append(child)
-                    rows.append(row)
-                request.forked = True
-        tokens = sample_rows([target.sampler for target in targets], logits[rows])
-        for target, row, token in zip(targets, rows, tokens.tolist()):
-            reason = self.emit(target, token, logits[row])
-            if reason is not None:
-                self.finish(target, reason.finish_reason)
-
-    def emit(self, seq: Sequence, token: int, row: np.ndarray) -> StopReason | None:
-        """Append one sampled token (its logprobs from its logits `row`), detokenize it and say whether it
-        ends the sequence; the caller finishes it (speculation commits the accepted rows first)."""
-        seq.token_ids.append(token)
-        self.counters.num_generation_tokens += 1
-        if seq.logprobs is not None:
-            seq.logprobs.append(top_logprobs(row, token, seq.request.params.logprobs))
-        return self._stop_reason(seq, token)
-
-    def _stop_reason(self, seq: Sequence, token: int) -> StopReason | None:
-        params = seq.request.params
-        num_new = len(seq.token_ids) - seq.request.num_prompt_tokens
-        reason = stop_reason(token, num_new, seq.request.stop_ids, seq.request.max_tokens)
-        if seq.sampler.failure is not None:  # its grammar failed: what it has is no finished answer
-            reason = StopReason.ABORT
-        if seq.decoder is not None and reason is not StopReason.EOS:  # a stop token is kept in ids, not text
-            before = len(seq.text)
-            seq.text += seq.decoder.push(token)
-            if params.stop:
-                longest = max(len(s) for s in params.stop)
-                window = max(0, before - longest + 1)
-                found = [i for i in (seq.text.find(s, window) for s in params.stop) if i >= 0]
-                if found:
-                    seq.text_end = min(found)
-                    reason = StopReason.STOP_STRING
-        return reason
-
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """End `seq` with finish reason "stop", "length" or "abort"; its blocks go back to the pool."""
-        if seq.status is not Status.PENDING_FORK:
-            self.remove(seq)
-        seq.status = Status.FINISHED
-        seq.finish_reason = reason
-        if seq.decoder is not None and seq.text_end is None:
-            seq.text += seq.decoder.flush()
-        if seq.index == 0 and not seq.request.forked:  # the samples that were to fork from it end too
-            for sibling in seq.request.seqs[1:]:
-                if not sibling.finished():
-                    self.finish(sibling, reason)

@@ -188,7 +188,7 @@ class Speculator:
         seq.draft = []
         if seq.num_tokens - seq.num_computed_tokens != 1:
             return
-        if not seq.request.forked:  # the prompt's first token forks the other samples (postprocess)
+        if not seq.request.forked:  # the prompt's first token forks the other samples (OutputProcessor.process)
             return
         if seq.num_speculative_tokens == 0:
             seq.num_speculative_tokens = self.config.num_speculative_tokens
@@ -205,15 +205,15 @@ class Speculator:
             seq.draft = ngram_lookup(seq.token_ids, room, self.config.prompt_lookup_max,
                                      self.config.prompt_lookup_min)
 
-    def verify(self, seq: Any, rows: np.ndarray, scheduler: Any, runner: Any, counters: Any) -> None:
-        """Accept guesses against the target's rows, emit the kept tokens, commit their rows, stop if a
-        token ends the sequence."""
+    def verify(self, seq: Any, rows: np.ndarray, output: Any, runner: Any, counters: Any) -> None:
+        """Accept guesses against the target's rows, emit the kept tokens through the output stage
+        (kvlab/engine/output_processor.py), commit their rows, stop if a token ends the sequence."""
         draft = list(seq.draft)
         result = accept(draft, rows, lambda row: seq.sampler(row)[0])
         reason, emitted = None, 0
         for i, token in enumerate(result.tokens):
             emitted += 1
-            reason = scheduler.emit(seq, token, rows[i])
+            reason = output.emit(seq, token, rows[i])
             if reason is not None:
                 break
         runner.commit_accepted(seq, 1 + min(result.num_accepted, emitted))
@@ -231,7 +231,7 @@ class Speculator:
         if self.draft is not None:
             self.draft.rollback(seq)
         if reason is not None:
-            scheduler.finish(seq, reason.finish_reason)
+            output.finish(seq, reason.finish_reason)
 
 
 def make_draft(config: SpeculativeConfig, model: Any, tokenizer: Any) -> Any:
