@@ -130,6 +130,8 @@ class Scheduler:
                 num_hit, found = longest_hit(self.groups, seq, keys[:len(hits)])
                 hits = hits[:num_hit]
             num_cached = len(hits) * size
+            tail = self._tail_hit(seq, hits, keys[:len(hits)])  # (cached block, rows) continuing the hit, or None
+            num_cached += tail[1] if tail is not None else 0
             num_new = min(seq.num_tokens - num_cached, budget, self._chunk_cap())
             if self.bounds.policy is not None:  # the first chunk evicts nothing (see max_hit_blocks)
                 num_new = min(num_new, self.bounds.policy.budget - num_cached)
@@ -141,6 +143,8 @@ class Scheduler:
                 kept = cached[first:] if group.index == 0 else cached
                 total = group.pool.blocks_for(num_cached + num_new) - first
                 revived = sum(1 for b in kept if group.pool.ref_counts[b] == 0)  # cached blocks leaving the LRU
+                if tail is not None and group.index == 0 and group.pool.ref_counts[tail[0]] == 0:
+                    revived += 1  # a cached tail, held (out of the LRU) while it is copied
                 plans.append((group, first, kept, total))
                 fits = fits and total - len(kept) + revived <= group.pool.num_free_blocks
             if not fits:
@@ -148,7 +152,14 @@ class Scheduler:
             self.waiting.popleft()
             for group, first, kept, total in plans:
                 group.pool.acquire(kept)
-                seq.block_tables[group.index] = [NULL_BLOCK] * first + kept + group.pool.allocate(total - len(kept))
+                if tail is not None and group.index == 0:  # a private copy of the tail's rows, written on from there
+                    group.pool.acquire([tail[0]])
+                    new = group.pool.allocate(total - len(kept))
+                    group.pool.copy_block(tail[0], new[0], tail[1])
+                    group.pool.release([tail[0]])
+                else:
+                    new = group.pool.allocate(total - len(kept))
+                seq.block_tables[group.index] = [NULL_BLOCK] * first + kept + new
             seq.block_keys = keys[:len(hits)]
             seq.num_computed_tokens = num_cached
             self.prefix_cache.record(seq.num_tokens, num_cached)
@@ -162,6 +173,23 @@ class Scheduler:
         return budget
 
     # --- blocks --------------------------------------------------------------------------------------------
+    def _keeps_tails(self) -> bool:
+        """Whether partially filled last blocks are cached (kvlab/prefix/prefix_cache.py: token-granular
+        reuse): one KV-cache group, no cache policy, no sliding window (their blocks leave the table)."""
+        return (self.prefix_cache.enabled and len(self.groups) == 1 and self.bounds.policy is None
+                and self.groups[0].window is None)
+
+    def _tail_hit(self, seq: Sequence, hits: list[int], keys: list[bytes]) -> tuple[int, int] | None:
+        """The cached block (block, rows) whose first rows continue `hits` (a tail, or a full block that parts
+        from the prompt inside it), its rows capped so the last token is still computed."""
+        if not self._keeps_tails():
+            return None
+        start = len(hits) * self.pool.block_size
+        found = self.prefix_cache.match_tail(seq.token_ids, keys[-1] if keys else seq.request.root_key, start)
+        if found is None or min(found[1], seq.num_tokens - 1 - start) <= 0:
+            return None
+        return found[0], min(found[1], seq.num_tokens - 1 - start)
+
     def _chunk_cap(self) -> int:
         cap = self.bounds.max_chunk
         return cap if cap is not None else self.max_num_batched_tokens
@@ -242,6 +270,13 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+        size, table = self.pool.block_size, self.groups[0].table(seq)
+        computed = seq.num_computed_tokens
+        if self._keeps_tails() and computed % size and len(seq.block_keys) == computed // size \
+                and computed // size < len(table):  # its partial last block stays findable (cache_tail)
+            self.prefix_cache.cache_tail(table[computed // size],
+                                         seq.block_keys[-1] if seq.block_keys else seq.request.root_key,
+                                         seq.token_ids[computed - computed % size:computed])
         for group in self.groups:
             group.pool.release(group.held(seq))
         self.bounds.release(seq)

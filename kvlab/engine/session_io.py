@@ -52,8 +52,9 @@ def read_session(engine: Any, path: str | Path) -> SavedSession:
 
 
 def register_session(engine: Any, saved: SavedSession) -> int:
-    """Write `saved`'s whole blocks into the pool and register them in the prefix cache (those it already
-    holds are kept); returns how many of its tokens are now cached."""
+    """Write `saved`'s rows into pool blocks and register them in the prefix cache — whole blocks by chain
+    key, the rows after them as a cached tail (PrefixCache.cache_tail) — keeping what it already holds;
+    returns how many of its tokens are now cached."""
     pool, cache = engine.block_pool, engine.prefix_cache
     tokens, size, root = saved.tokens, pool.block_size, _root(engine)
     hits, keys = cache.match(tokens, root)
@@ -61,21 +62,27 @@ def register_session(engine: Any, saved: SavedSession) -> int:
         return 0
     pool.acquire(hits)  # held while allocating, so eviction cannot hand out what is already matched
     try:
-        wanted = max(min(len(tokens) // size - len(hits), pool.num_free_blocks), 0)
+        wanted = max(min(-(-len(tokens) // size) - len(hits), pool.num_free_blocks), 0)
         blocks = pool.allocate(wanted)
         try:
             table = hits + blocks
-            rows = np.arange(len(hits) * size, len(table) * size)
-            slot_blocks, slot_rows = np.repeat(np.asarray(blocks, dtype=np.int64), size), rows % size
+            rows = np.arange(len(hits) * size, min(len(table) * size, len(tokens)))
+            slot_blocks = np.asarray(table, dtype=np.int64)[rows // size]
             for layer, (k, v) in enumerate(saved.cache):
-                write_rows(pool.key_cache[layer], pool.value_cache[layer], slot_blocks, slot_rows,
+                write_rows(pool.key_cache[layer], pool.value_cache[layer], slot_blocks, rows % size,
                            k[0].transpose(1, 0, 2)[rows], v[0].transpose(1, 0, 2)[rows])  # [N, H_kv, d]
-            cache.insert(table, tokens, root, len(table) * size, keys)
+            whole = min(len(table), len(tokens) // size)
+            cache.insert(table, tokens, root, whole * size, keys)
+            chain = cache.match(tokens[:whole * size], root)[1]
+            cached = len(chain) * size
+            if len(table) > whole and len(chain) == whole and cache.cache_tail(
+                    table[whole], chain[-1] if chain else root, tokens[whole * size:]):
+                cached = len(tokens)
         finally:
             pool.release(blocks)  # registered ones stay cached (evictable), like a finished request's
     finally:
         pool.release(hits)
-    return len(table) * size
+    return cached
 
 
 def load_session(engine: Any, path: str | Path) -> tuple[SavedSession, int]:
@@ -87,12 +94,15 @@ def load_session(engine: Any, path: str | Path) -> tuple[SavedSession, int]:
 def save_session(engine: Any, path: str | Path, token_ids: Sequence[int], extra: dict[str, Any]) -> int:
     """Write the cached K/V of the longest run of `token_ids`' whole blocks (and `extra`) to `path`.
 
-    Returns the rows written (a multiple of the block size; 0 writes a file that restores nothing)."""
+    Returns the rows written (0 writes a file that restores nothing)."""
     _check_engine(engine, "save")
     pool = engine.block_pool
     tokens = [int(t) for t in token_ids]
-    hits, _ = engine.prefix_cache.match(tokens, _root(engine))
+    hits, keys = engine.prefix_cache.match(tokens, _root(engine))
     length = len(hits) * pool.block_size
+    tail = engine.prefix_cache.match_tail(tokens, keys[-1] if keys else _root(engine), length)
+    if tail is not None:  # the rows after the whole blocks (a finished request's partial last block)
+        hits, length = hits + [tail[0]], length + min(tail[1], len(tokens) - length)
     table = np.asarray([hits], dtype=np.int64).reshape(1, len(hits))
     keys = [gather_blocks(k, table, length) for k in pool.key_cache]
     values = [gather_blocks(v, table, length) for v in pool.value_cache]
