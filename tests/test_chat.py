@@ -117,8 +117,9 @@ CHATML = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% en
           "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
-def make_model_folder(folder: Path, chat_template: str | None) -> TinyLlama:
-    """A small HF-style model folder: config.json, model.safetensors, the default model's tokenizer."""
+def make_model_folder(folder: Path, chat_template: str | None, **config) -> TinyLlama:
+    """A small HF-style model folder: config.json, model.safetensors, the default model's tokenizer
+    (`config`: TinyLlama's keywords, e.g. max_position_embeddings)."""
     import json
     import shutil
 
@@ -126,7 +127,7 @@ def make_model_folder(folder: Path, chat_template: str | None) -> TinyLlama:
 
     from kvlab.model.weights import random_weights
 
-    model = TinyLlama(seed=3, vocab_size=4096, bos_token_id=0, eos_token_id=1, dtype=np.float32)
+    model = TinyLlama(seed=3, vocab_size=4096, bos_token_id=0, eos_token_id=1, dtype=np.float32, **config)
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(model.config.to_hf_dict()))
     weights = random_weights(model.config, 3, np.float32)

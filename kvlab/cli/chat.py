@@ -24,7 +24,7 @@ from kvlab.cli.sampling_flags import (add_grammar_flags, add_sampling_flags, com
 from kvlab.sampling.defaults import ResolvedSampling
 from kvlab.errors import InputError, KVLabError
 from kvlab.model.llama import LlamaModel, TinyLlama
-from kvlab.progress import KernelCompiles, compiling_kernels
+from kvlab.progress import KernelCompiles
 from kvlab.sessions.conversation import Conversation
 from kvlab.engine.session_io import read_session, register_session, save_session
 from kvlab.sampling.sampler import SamplingParams
@@ -194,11 +194,11 @@ class Chat:
         self.model, self.tokenizer, self.args = model, tokenizer, args
         self.sampling = sampling or sampling_settings(args, None, model_known=False)
         self.spec = spec
+        self.stop = stop_ids(model, tokenizer)
         self.engine = engine_for_one(model, tokenizer, spec, args.kv_dtype, model.config.max_position_embeddings,
-                                     kv_tiers=getattr(args, "kv_tier", None))
+                                     self.stop, kv_tiers=getattr(args, "kv_tier", None))
         self.warm_up_seconds = warm_up(self.engine, 0)
         self.conversation = self._fresh()
-        self.stop = stop_ids(model, tokenizer)
         self.grammar = compiled_grammar(args, tokenizer, model.config.vocab_size, self.stop)  # every reply
         self.replies = 0
         self.history_ids: list[int] = []  # the ids whose K/V the last reply computed: prompt + reply[:-1]
@@ -317,8 +317,7 @@ class Chat:
         a = self.args
         room = self.model.config.max_position_embeddings - len(ids)
         params = SamplingParams(**self.sampling.values, seed=None if a.seed is None else a.seed + self.replies,
-                                max_tokens=min(a.max_tokens, room), stop_token_ids=tuple(self.stop),
-                                grammar=self.grammar)
+                                max_tokens=min(a.max_tokens, room), grammar=self.grammar)  # engine: eos
         self.replies += 1
         new: list[int] = []
         decoder = stream_decoder(self.tokenizer, ids)
@@ -366,8 +365,7 @@ def run(args: argparse.Namespace) -> int:
     sampling_settings(args, None, model_known=False)  # a bad flag fails before chatting
     model, tokenizer, name = load_model(args)
     sampling = sampling_settings(args, args.model, model_known=not isinstance(model, TinyLlama))
-    with compiling_kernels():  # the engine's paged kernels: said on stderr on a first run
-        chat = Chat(model, tokenizer, args, sampling=sampling, spec=spec)
+    chat = Chat(model, tokenizer, args, sampling=sampling, spec=spec)  # its warm-up says if kernels compile
     if sys.stdin.isatty():
         chat.note(f"kvlab chat · {name} · context {model.config.max_position_embeddings} tokens · "
                   f"sampling: {sampling.summary()} · /help for commands, Ctrl-D to leave")

@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from kvlab.cli.checks import drawn_seed_note
-from kvlab.cli.fmt import human_bytes, prompt_tokens_text
 from kvlab.engine.engine import Engine
 from kvlab.engine.request import RequestOutput
 from kvlab.engine.speculative import SpeculativeConfig
-from kvlab.errors import ConfigError, InputError
+from kvlab.errors import ConfigError
 from kvlab.progress import KernelCompiles, compiling_kernels
 from kvlab.sampling.sampler import SamplingParams
 
@@ -122,24 +120,28 @@ def warm_up(engine: Engine, first_token: int) -> float:
 
 
 def engine_for_one(model: Any, tokenizer: Any, spec: SpeculativeConfig | None, kv_dtype: Any, tokens: int,
-                   policy: Any = None, kv_tiers: Sequence[str] | None = None) -> Engine:
+                   eos_token_ids: Sequence[int], policy: Any = None,
+                   kv_tiers: Sequence[str] | None = None) -> Engine:
     """An engine for one sequence at a time, prefix caching on: a pool for `tokens` plus the guesses' rows
     (a cache policy sizes its own). The engine detokenizes nothing (the CLI's stream does); it is given the
-    tokenizer only to check a draft model's."""
+    tokenizer only to check a draft model's. `eos_token_ids`: what ends a reply (the config's and the
+    tokenizer's, as the grammar allows them), unless a request says ignore_eos."""
     guesses = spec.num_speculative_tokens if spec is not None else 0
     tokens = max(tokens, 24)  # and the warm-up's
     blocks = None if policy is not None else -(-(tokens + guesses + 1) // 16) + 1
-    return Engine(model, tokenizer if spec is not None and spec.method == "draft_model" else None,
-                  speculative_config=spec, max_num_seqs=1, kv_cache_dtype=kv_dtype, num_blocks=blocks,
-                  block_size=16, kv_policy=policy, enable_prefix_caching=True, kv_tiers=kv_tiers)
+    engine = Engine(model, tokenizer if spec is not None and spec.method == "draft_model" else None,
+                    speculative_config=spec, max_num_seqs=1, kv_cache_dtype=kv_dtype, num_blocks=blocks,
+                    block_size=16, kv_policy=policy, enable_prefix_caching=True, kv_tiers=kv_tiers)
+    engine.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
+    return engine
 
 
-def stop_words(finish_reason: str | None, num_new: int, max_tokens: int) -> str:
-    """The engine's finish reason in the plain path's words (StopReason values)."""
+def stop_words(finish_reason: str | None, num_new: int, wanted: int | None) -> str:
+    """The engine's finish reason in the stats line's words (StopReason values); `wanted`: -n (None: -1)."""
     if finish_reason == "stop":
         return "eos"
     if finish_reason == "length":
-        return "max tokens" if num_new >= max_tokens else "context full"
+        return "max tokens" if wanted is not None and num_new >= wanted else "context full"
     return finish_reason or "abort"
 
 
@@ -155,7 +157,7 @@ def generate_with_engine(args: argparse.Namespace, model: Any, tokenizer: Any, t
 
     context = model.config.max_position_embeddings
     check_prompt(prompt, context, policy)
-    stop = [] if args.ignore_eos else stop_token_ids(model, tokenizer)
+    stop = stop_token_ids(model, tokenizer)
     room = context - len(prompt)
     if policy is None and room < 1:
         raise ContextLengthError(f"the prompt is {len(prompt)} tokens: no room left in the model's context of "
@@ -164,21 +166,22 @@ def generate_with_engine(args: argparse.Namespace, model: Any, tokenizer: Any, t
     max_tokens = (wanted if wanted is not None else 1 << 30) if policy is not None else \
         min(wanted if wanted is not None else room, room)
     engine = engine_for_one(model, tokenizer, spec, args.kv_dtype, len(prompt) + max_tokens
-                            if policy is None else 0, policy, getattr(args, "kv_tier", None))
+                            if policy is None else 0, stop, policy, getattr(args, "kv_tier", None))
     try:
         compile_seconds = warm_up(engine, prompt[0])
         if args.prompt_cache and (Path(args.prompt_cache).exists() or Path(args.prompt_cache).is_symlink()):
             load_session(engine, args.prompt_cache)  # refused (exit 2) if damaged or from another model
         params = SamplingParams(**resolved.values, seed=args.seed, max_tokens=max_tokens,
-                                ignore_eos=args.ignore_eos, stop_token_ids=tuple(stop),
+                                ignore_eos=args.ignore_eos,  # the engine's eos_token_ids end it otherwise
                                 grammar=compiled_grammar(args, tokenizer, model.config.vocab_size, stop))
-        stream = open_stream(args, tokenizer, text, prompt, stop, resolved, seed_drawn)
+        stream = open_stream(args, tokenizer, text, prompt, [] if args.ignore_eos else stop, resolved,
+                             seed_drawn)
         before = spec_counts(engine)
         stream.start()
         compiles = KernelCompiles().start()  # a compile the warm-up did not cover: kept out of the figures
         try:
             out = stream_request(engine, "generate", prompt, params, stream.on_token)
-            reason = stop_words(out.outputs[0].finish_reason, len(stream.tokens), max_tokens)
+            reason = stop_words(out.outputs[0].finish_reason, len(stream.tokens), wanted)
             computed = len(prompt) - out.num_cached_tokens
         except KeyboardInterrupt:
             computed, reason = len(prompt), "interrupted"

@@ -129,24 +129,12 @@ class Scheduler:
             if len(self.groups) > 1:  # a hybrid hit counts only where every group has what it reads
                 num_hit, found = longest_hit(self.groups, seq, keys[:len(hits)])
                 hits = hits[:num_hit]
-            num_cached = len(hits) * size
             tail = self._tail_hit(seq, hits, keys[:len(hits)])  # (cached block, rows) continuing the hit, or None
-            num_cached += tail[1] if tail is not None else 0
-            num_new = min(seq.num_tokens - num_cached, budget, self._chunk_cap())
-            if self.bounds.policy is not None:  # the first chunk evicts nothing (see max_hit_blocks)
-                num_new = min(num_new, self.bounds.policy.budget - num_cached)
-            # a sliding window's hit takes only the blocks its queries still see (vLLM's rule); taking every
-            # hit could need more blocks than the pool has, and the request waited forever (issue 32)
-            plans, fits = [], True
-            for group, cached in zip(self.groups, [hits] + found):
-                first = min(group.bounds.first_visible_block(seq, num_cached), len(hits))
-                kept = cached[first:] if group.index == 0 else cached
-                total = group.pool.blocks_for(num_cached + num_new) - first
-                revived = sum(1 for b in kept if group.pool.ref_counts[b] == 0)  # cached blocks leaving the LRU
-                if tail is not None and group.index == 0 and group.pool.ref_counts[tail[0]] == 0:
-                    revived += 1  # a cached tail, held (out of the LRU) while it is copied
-                plans.append((group, first, kept, total))
-                fits = fits and total - len(kept) + revived <= group.pool.num_free_blocks
+            for tail in [tail, None] if tail is not None else [None]:  # a tail that does not fit: recompute it
+                num_cached = len(hits) * size + (tail[1] if tail is not None else 0)
+                num_new, plans, fits = self._plan(seq, hits, found, tail, num_cached, budget)
+                if fits:
+                    break
             if not fits:
                 break
             self.waiting.popleft()
@@ -171,6 +159,27 @@ class Scheduler:
             scheduled[seq] = num_new
             budget -= num_new
         return budget
+
+    def _plan(self, seq: Sequence, hits: list[int], found: list[list[int]], tail: tuple[int, int] | None,
+              num_cached: int, budget: int) -> tuple[int, list, bool]:
+        """The first chunk of a waiting `seq` admitted with `num_cached` tokens cached: (its tokens, per group
+        (group, first visible block, cached blocks kept, blocks in all), whether every group has them free)."""
+        num_new = min(seq.num_tokens - num_cached, budget, self._chunk_cap())
+        if self.bounds.policy is not None:  # the first chunk evicts nothing (see max_hit_blocks)
+            num_new = min(num_new, self.bounds.policy.budget - num_cached)
+        # a sliding window's hit takes only the blocks its queries still see (vLLM's rule); taking every
+        # hit could need more blocks than the pool has, and the request waited forever (issue 32)
+        plans, fits = [], True
+        for group, cached in zip(self.groups, [hits] + found):
+            first = min(group.bounds.first_visible_block(seq, num_cached), len(hits))
+            kept = cached[first:] if group.index == 0 else cached
+            total = group.pool.blocks_for(num_cached + num_new) - first
+            revived = sum(1 for b in kept if group.pool.ref_counts[b] == 0)  # cached blocks leaving the LRU
+            if tail is not None and group.index == 0 and group.pool.ref_counts[tail[0]] == 0:
+                revived += 1  # a cached tail, held (out of the LRU) while it is copied
+            plans.append((group, first, kept, total))
+            fits = fits and total - len(kept) + revived <= group.pool.num_free_blocks
+        return num_new, plans, fits
 
     # --- blocks --------------------------------------------------------------------------------------------
     def _keeps_tails(self) -> bool:
