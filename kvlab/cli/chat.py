@@ -182,7 +182,7 @@ class Chat:
     reported.
 
     Each reply is one engine request for the rendered history (earlier replies as the ids they were
-    generated as, never re-encoded), so the prefix cache finds every whole block of the turns before it.
+    generated as, never re-encoded), so the prefix cache finds every row of the turns before it.
     `--kv-tier` makes that reach across processes; /save and /load write and read the conversation's blocks
     and messages as a session file (kvlab/engine/session_io.py)."""
 

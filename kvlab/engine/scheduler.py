@@ -6,7 +6,9 @@ scheduled, then running prefills get chunks, then waiting sequences are admitted
 step computes. When the pool runs out, the most recently admitted running sequence is preempted by
 recompute: its blocks are released (its full blocks stay cached, so re-admission hits them) and it goes
 back to the front of the waiting queue, keeping the tokens it generated. A waiting sequence starts from
-its longest prefix-cache hit, in whole blocks, always computing its last token.
+its longest prefix-cache hit — whole blocks, then the rows of a cached tail (kvlab/prefix/prefix_cache.py)
+copied into a private block — always computing its last token; a tail copy that does not fit is recomputed
+instead, so a tail never keeps a request waiting.
 
 Sliding-window models and cache policies bound what a sequence holds (kvlab/engine/kv_bounds.py): before
 each chunk the bounds evict what the policy drops and release blocks no query can see again; a policy
@@ -232,11 +234,8 @@ class Scheduler:
         """Give `seq` the blocks of `group` its next `num_new` tokens are written into."""
         pool, table = group.pool, group.table(seq)
         if self._shared_tail(group, seq):
-            index = seq.num_computed_tokens // pool.block_size
-            [copy] = pool.allocate(1)
-            pool.copy_block(table[index], copy, seq.num_computed_tokens % pool.block_size)
-            pool.release([table[index]])
-            table[index] = copy
+            pool.make_private(table, seq.num_computed_tokens // pool.block_size,
+                              seq.num_computed_tokens % pool.block_size)
         more = pool.blocks_for(seq.num_computed_tokens + num_new) - len(table)
         table.extend(pool.allocate(more))
 

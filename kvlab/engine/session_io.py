@@ -2,12 +2,12 @@
 the one runtime.
 
 A session file (kvlab/sessions/persist.py: safetensors, SHA-256 checked, refused when it is from another
-model or dtype) holds one sequence's K/V rows and their token ids. Loading writes the file's whole blocks
-into pool blocks and registers them in the prefix cache under the chain keys a request for those tokens
-computes, so the next request finds them as it finds any cached prefix; the rows of a last partial block are
-recomputed (prefix caching works in whole blocks, as vLLM's). Saving reads the longest cached run of a token
-sequence's blocks back into one contiguous KVCache and writes it. Nothing is registered before the file has
-been verified; a pool too small for the whole file takes its first blocks.
+model or dtype) holds one sequence's K/V rows and their token ids. Loading writes the file's rows into pool
+blocks and registers them in the prefix cache: whole blocks under the chain keys a request for those tokens
+computes, the rows after them as a cached tail (PrefixCache.cache_tail), so the next request finds all of
+them as it finds any cached prefix. Saving reads the longest cached run of a token sequence's rows (whole
+blocks, then a tail) back into one contiguous KVCache and writes it. Nothing is registered before the file
+has been verified; a pool too small for the whole file takes its first blocks.
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ def load_session(engine: Any, path: str | Path) -> tuple[SavedSession, int]:
 
 
 def save_session(engine: Any, path: str | Path, token_ids: Sequence[int], extra: dict[str, Any]) -> int:
-    """Write the cached K/V of the longest run of `token_ids`' whole blocks (and `extra`) to `path`.
+    """Write the cached K/V of the longest cached run of `token_ids` (whole blocks, then the rows of a cached
+    tail) and `extra` to `path`.
 
     Returns the rows written (0 writes a file that restores nothing)."""
     _check_engine(engine, "save")
