@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvlab import TinyLlama
 from kvlab.engine.engine import Engine
-from kvlab.engine.session_io import load_session, save_session
+from kvlab.sessions.session_io import load_session, save_session
 from kvlab.sampling.sampler import SamplingParams
 
 MODEL = TinyLlama(seed=7)  # float64

@@ -26,7 +26,7 @@ from kvlab.errors import InputError, KVLabError
 from kvlab.model.llama import LlamaModel, TinyLlama
 from kvlab.progress import KernelCompiles
 from kvlab.sessions.conversation import Conversation
-from kvlab.engine.session_io import read_session, register_session, save_session
+from kvlab.sessions.session_io import read_session, register_session, save_session
 from kvlab.sampling.sampler import SamplingParams
 from kvlab.tokenizer import ByteTokenizer
 from kvlab.validate import decode_text
@@ -184,7 +184,7 @@ class Chat:
     Each reply is one engine request for the rendered history (earlier replies as the ids they were
     generated as, never re-encoded), so the prefix cache finds every row of the turns before it.
     `--kv-tier` makes that reach across processes; /save and /load write and read the conversation's blocks
-    and messages as a session file (kvlab/engine/session_io.py)."""
+    and messages as a session file (kvlab/sessions/session_io.py)."""
 
     def __init__(self, model: LlamaModel, tokenizer: Any, args: argparse.Namespace,
                  out: TextIO | None = None, err: TextIO | None = None,

@@ -6,7 +6,7 @@ get what the engine has, written once: prefix caching across chat turns, `--kv-t
 what a first wrote to a disk or Valkey tier), the engine's cache policies (window, sinks, context shift),
 speculative decoding (`--speculative-config`, same text as without: kvlab/engine/speculative.py), grammars,
 and `--prompt-cache FILE` (a session file read into the prefix cache and written back from it:
-kvlab/engine/session_io.py). Bad flags exit 2 naming the field before any model is loaded.
+kvlab/sessions/session_io.py). Bad flags exit 2 naming the field before any model is loaded.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def generate_with_engine(args: argparse.Namespace, model: Any, tokenizer: Any, t
     --prompt-cache FILE the file's blocks seed the prefix cache first and the run's are written back after."""
     from kvlab.cli.generate import check_prompt, open_stream, stop_token_ids
     from kvlab.cli.sampling_flags import compiled_grammar
-    from kvlab.engine.session_io import load_session, save_session
+    from kvlab.sessions.session_io import load_session, save_session
     from kvlab.errors import ContextLengthError
 
     context = model.config.max_position_embeddings
