@@ -99,4 +99,4 @@ def test_saved_chat_loads_back_after_bad_lines(tmp_path: Path):
     other = Chat(MODEL, ByteTokenizer(), chat_args(), io.StringIO(), io.StringIO())
     other.handle(f"/load {tmp_path / 'c.kvs'}")
     assert other.conversation.messages == chat.conversation.messages
-    assert other.session.tokens == chat.session.tokens
+    assert other.history_ids == chat.history_ids

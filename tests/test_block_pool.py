@@ -94,7 +94,7 @@ def test_random_operations_keep_the_pool_balanced(ops):
 
 def test_paged_store_runs_the_plain_forward_and_forks_copy_on_write():
     from kvlab import KVCache, TinyLlama
-    from kvlab.cache.paged import PagedStore
+    from paged_store import PagedStore
     model = TinyLlama(seed=2, backend="numpy")  # one attention path for both stores: bit-equal rows expected
     c = model.config
     pool = BlockPool(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, np.float64, 4, 16)

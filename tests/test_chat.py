@@ -41,14 +41,17 @@ def test_piped_chat_reuses_the_cache_across_turns_and_restores_it(tmp_path: Path
     rows = stats(result.stderr)
     assert len(rows) == 6
     (r1, c1, n1), (r2, c2, n2), (r3, c3, n3), (r4, c4, n4), (r5, c5, n5), (r6, c6, n6) = rows
+    # The engine never computes the K/V of a reply's last token (vLLM's rule: nothing reads it until the
+    # next turn), so each turn computes its new message plus that one token; every cached row is reused,
+    # token by token (kvlab/prefix/prefix_cache.py: whole blocks, then the rows of a cached tail).
     assert (r1, c1) == (0, 1 + len("Hello there"))           # <bos> + bytes
-    assert (r2, c2) == (n1, len("How are you?"))             # the whole history was reused
-    assert f"[prompt {n1 + len('How are you?')} tokens ({n1} cached) · " in result.stderr  # as the line says it
-    assert f"[prompt {c1} tokens (0 cached) · " in result.stderr                            # the first turn
-    assert (r3, c3) == (n1, len("What now?"))                # after /undo: cropped back to turn 1
-    assert (r4, c4) == (n1 + len("What "), len("then?"))     # /edit: kept the unchanged "What "
+    assert (r2, c2) == (n1, len("How are you?") + 1)         # the whole history was reused
+    assert f"[prompt {n1 + len('How are you?') + 1} tokens ({n1} cached) · " in result.stderr  # as said
+    assert f"[prompt {c1} tokens (0 cached) · " in result.stderr                                # the first turn
+    assert r3 >= n1 and r3 + c3 == n1 + len("What now?") + 1  # after /undo: turn 1's rows, and any shared after
+    assert r4 >= n1 + len("What ") and r4 + c4 == n1 + len("What then?") + 1  # /edit: kept "What "
     assert (r5, c5) == (0, 1 + len("Fresh start"))           # /reset
-    assert (r6, c6) == (n4, len("And more"))                 # /load, then a hit on every restored row
+    assert (r6, c6) == (n4, len("And more") + 1)             # /load, then a hit on every restored row
     assert "(dropped: 'How are you?')" in result.stderr
     assert f"(saved {n4} tokens" in result.stderr
     assert f"(loaded {n4} cached tokens and 4 messages" in result.stderr
@@ -73,7 +76,7 @@ def chat_args(**changes) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), **changes})
 
 
-def test_replies_equal_a_fresh_session_on_the_same_history() -> None:
+def test_replies_equal_a_fresh_session_on_the_same_history(tmp_path: Path) -> None:
     """Reuse never changes an answer: replaying turn 2 on a cold session gives the same reply."""
     model, tokenizer = TinyLlama(seed=7), ByteTokenizer()
     out, err = io.StringIO(), io.StringIO()
@@ -84,7 +87,13 @@ def test_replies_equal_a_fresh_session_on_the_same_history() -> None:
     cold = Session(model)
     cold.feed(Conversation(list(history)).render(tokenizer))
     assert cold.generate(5, stop_token_ids=[257]) == chat.conversation.messages[-1]["token_ids"]
-    np.testing.assert_allclose(cold.logits, chat.session.logits, rtol=0, atol=1e-10)
+    chat.handle(f"/save {tmp_path / 'c.kvc'}")  # the engine's rows of the whole history, as computed
+    saved = Session.load(tmp_path / "c.kvc", model)
+    assert saved.tokens == cold.tokens[:len(saved.tokens)] and len(saved.tokens) == len(chat.history_ids)
+    for (k, v), (cold_k, cold_v) in zip(saved.cache, cold.cache):
+        n = len(saved.tokens)
+        np.testing.assert_allclose(k, cold_k[:, :, :n], rtol=0, atol=1e-10)
+        np.testing.assert_allclose(v, cold_v[:, :, :n], rtol=0, atol=1e-10)
 
 
 def test_a_full_context_drops_the_oldest_exchange() -> None:
@@ -97,7 +106,8 @@ def test_a_full_context_drops_the_oldest_exchange() -> None:
     assert err.getvalue().count("dropped the oldest exchange") == 4
     users = [m["content"] for m in chat.conversation.messages if m["role"] == "user"]
     assert users == ["message number 4", "message number 5"]
-    assert chat.session.tokens == chat.conversation.render(tokenizer)  # the cache holds exactly the history
+    rendered = chat.conversation.render(tokenizer)  # the cache holds exactly the history (but the last token)
+    assert chat.history_ids == rendered[:-1]
     chat.handle("x" * 100)
     assert "does not fit" in err.getvalue()
     assert chat.conversation.messages[-1]["role"] == "assistant"  # history kept, long message dropped
@@ -107,8 +117,9 @@ CHATML = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% en
           "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
-def make_model_folder(folder: Path, chat_template: str | None) -> TinyLlama:
-    """A small HF-style model folder: config.json, model.safetensors, the default model's tokenizer."""
+def make_model_folder(folder: Path, chat_template: str | None, **config) -> TinyLlama:
+    """A small HF-style model folder: config.json, model.safetensors, the default model's tokenizer
+    (`config`: TinyLlama's keywords, e.g. max_position_embeddings)."""
     import json
     import shutil
 
@@ -116,7 +127,7 @@ def make_model_folder(folder: Path, chat_template: str | None) -> TinyLlama:
 
     from kvlab.model.weights import random_weights
 
-    model = TinyLlama(seed=3, vocab_size=4096, bos_token_id=0, eos_token_id=1, dtype=np.float32)
+    model = TinyLlama(seed=3, vocab_size=4096, bos_token_id=0, eos_token_id=1, dtype=np.float32, **config)
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(model.config.to_hf_dict()))
     weights = random_weights(model.config, 3, np.float32)

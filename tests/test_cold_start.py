@@ -77,29 +77,38 @@ def test_a_kernel_loaded_from_numbas_disk_cache_is_not_announced(tmp_path, monke
     assert warm.count == 0 and warm.seconds == 0.0 and out.getvalue() == ""
 
 
+def _cold_engine(monkeypatch, module) -> list[float]:
+    """The engine's warm-up (its throwaway requests) compiles a fresh kernel, and the first streamed request
+    of `module` (kvlab.cli.engine_stream for generate, kvlab.cli.chat for chat) compiles another inside its
+    timed prefill; returns the list the second compile's duration is appended to."""
+    from kvlab.engine.engine import Engine
+
+    generate, stream_request = Engine.generate, module.stream_request
+    compiled_in_prefill: list[float] = []
+
+    def cold_generate(self, *args, **kwargs):
+        fresh_kernel()(1)
+        return generate(self, *args, **kwargs)
+
+    def compiling_request(*args, **kwargs):
+        if not compiled_in_prefill:
+            start = time.perf_counter()
+            array_kernel()(np.ones(3))  # a kernel the warm-up did not cover, compiled inside the prefill
+            compiled_in_prefill.append(time.perf_counter() - start)
+        return stream_request(*args, **kwargs)
+
+    monkeypatch.setattr(Engine, "generate", cold_generate)
+    monkeypatch.setattr(module, "stream_request", compiling_request)
+    return compiled_in_prefill
+
+
 def test_generate_says_it_compiles_and_keeps_compiles_out_of_prefill(monkeypatch, capsys):
     """A compile in the warm-up is announced before the text; one inside the timed prefill (a kernel the
     warm-up missed) is taken out of the prefill figure and reported beside it."""
-    import kvlab.cli.generate as generate
+    import kvlab.cli.engine_stream as engine_stream
     from kvlab.cli import main
-    from kvlab.model.llama import LlamaModel
 
-    warm_up, generate_tokens = LlamaModel.warm_up, generate.generate_tokens
-
-    def cold_warm_up(self, kv_dtype=None):
-        fresh_kernel()(1)
-        return warm_up(self, kv_dtype)
-
-    compiled_in_prefill = []
-
-    def compiling_prefill(*args, **kwargs):
-        start = time.perf_counter()
-        array_kernel()(np.ones(3))
-        compiled_in_prefill.append(time.perf_counter() - start)
-        return generate_tokens(*args, **kwargs)
-
-    monkeypatch.setattr(LlamaModel, "warm_up", cold_warm_up)
-    monkeypatch.setattr(generate, "generate_tokens", compiling_prefill)
+    compiled_in_prefill = _cold_engine(monkeypatch, engine_stream)
     assert main(["generate", "-n", "3", "--temperature", "0", "ROMEO:"]) == 0
     err = capsys.readouterr().err
     assert err.count(NOTICE) == 1
@@ -108,36 +117,19 @@ def test_generate_says_it_compiles_and_keeps_compiles_out_of_prefill(monkeypatch
     prefill_ms = float(re.search(r"\| prefill ([\d.]+) ms", stats)[1])
     compiled_s = float(re.search(r"kernels compiled ([\d.]+) s", stats)[1])
     assert prefill_ms < 1e3 * compiled_in_prefill[0]  # the compile inside the prefill is not in its figure
-    assert compiled_s >= compiled_in_prefill[0] - 0.05  # and is reported beside it (with the warm-up's)
+    assert compiled_s >= compiled_in_prefill[0] - 0.05  # ... but in the compile figure, with the warm-up's
 
 
 def test_chat_warms_up_says_so_and_keeps_compiles_out_of_its_figures(monkeypatch, capsys):
+    import kvlab.cli.chat as chat
+
     from kvlab.cli import main
-    from kvlab.model.llama import LlamaModel
-    from kvlab.sessions.session import Session
 
-    warm_up, feed = LlamaModel.warm_up, Session.feed
-    warmed = []
-
-    def cold_warm_up(self, kv_dtype=None):
-        warmed.append(kv_dtype)
-        fresh_kernel()(1)
-        return warm_up(self, kv_dtype)
-
-    compiled_in_prefill = []
-
-    def compiling_feed(self, ids):
-        start = time.perf_counter()
-        array_kernel()(np.ones(3))  # a kernel the warm-up did not cover, compiled inside the turn's prefill
-        compiled_in_prefill.append(time.perf_counter() - start)
-        return feed(self, ids)
-
-    monkeypatch.setattr(LlamaModel, "warm_up", cold_warm_up)
-    monkeypatch.setattr(Session, "feed", compiling_feed)
+    compiled_in_prefill = _cold_engine(monkeypatch, chat)
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hello\n"))
     assert main(["chat", "--tiny", "-n", "3", "--temperature", "0"]) == 0
     err = capsys.readouterr().err
-    assert warmed == [None] and err.count(NOTICE) == 1
+    assert err.count(NOTICE) == 1
     line = re.search(r"\[prompt .* prefill ([\d.]+) ms · decode .* · kernels compiled ([\d.]+) s, not counted\]",
                      err)
     assert line, err

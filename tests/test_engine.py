@@ -95,7 +95,10 @@ def test_random_workloads_give_each_request_its_tokens_alone(data):
                 assert sample.token_ids == want[:len(sample.token_ids)]
             else:
                 assert sample.finish_reason == "length" and sample.token_ids == want
-        assert out.num_cached_tokens % block_size == 0 and out.num_cached_tokens < len(prompt)
+        # token-granular reuse (whole blocks, then a cached tail's rows): any count short of the prompt, and
+        # whole blocks only where a sliding window trims what a hit may take
+        assert out.num_cached_tokens < len(prompt)
+        assert model.config.sliding_window is None or out.num_cached_tokens % block_size == 0
     stats = engine.stats()
     assert stats["prefix_cache_hits"] <= stats["prefix_cache_queries"]
 
@@ -148,14 +151,16 @@ def test_hit_rule_whole_blocks_and_last_token_computed(model):
     prompt = list(range(12))
     engine.generate([prompt], SamplingParams(max_tokens=2, **GREEDY))
     [again] = engine.generate([prompt], SamplingParams(max_tokens=2, **GREEDY))
-    assert again.num_cached_tokens == 8  # 4 * floor(min(12 + 1, 12 - 1) / 4): the last token is recomputed
+    # token-granular: two whole blocks by chain key, then 3 rows of the cached tail (the first run's third
+    # block, 12 prompt rows + 1 generated); the last prompt token is always recomputed (its logits are needed)
+    assert again.num_cached_tokens == 11
     [longer] = engine.generate([prompt + [1, 2, 3]], SamplingParams(max_tokens=2, **GREEDY))
-    assert longer.num_cached_tokens == 12
+    assert longer.num_cached_tokens == 12  # the prompt; its next row held the generated token, not 1
     # the generated tokens' full blocks are cached too: the next chat turn repeats the reply and hits them
     reply = engine.generate([list(range(50, 58))], SamplingParams(max_tokens=8, **GREEDY))[0]
     turn2 = list(range(50, 58)) + reply.outputs[0].token_ids[:-1] + [7, 7, 7]
     [hit] = engine.generate([turn2], SamplingParams(max_tokens=1, **GREEDY))
-    assert hit.num_cached_tokens == 12
+    assert hit.num_cached_tokens == 15  # 8 prompt + 7 reply rows: every row the reply computed
 
 
 def test_cache_salt_separates_tenants(model):
@@ -163,7 +168,7 @@ def test_cache_salt_separates_tenants(model):
     prompt = list(range(20))
     engine.generate([prompt], SamplingParams(max_tokens=2), cache_salt="alice")
     assert engine.generate([prompt], SamplingParams(max_tokens=2), cache_salt="bob")[0].num_cached_tokens == 0
-    assert engine.generate([prompt], SamplingParams(max_tokens=2), cache_salt="alice")[0].num_cached_tokens == 16
+    assert engine.generate([prompt], SamplingParams(max_tokens=2), cache_salt="alice")[0].num_cached_tokens == 19
     assert engine.generate([prompt], SamplingParams(max_tokens=2))[0].num_cached_tokens == 0
 
 
@@ -314,7 +319,7 @@ def test_cache_state_is_json_and_consistent(model):
         assert len(r["block_table"]) == -(-r["num_computed_tokens"] // 4)
     assert state["payload_bytes"] <= state["capacity_bytes"] and state["stats"]["num_running"] == 2
     x = [r for r in state["requests"] if r["request_id"] == "x"][0]
-    assert x["num_cached_tokens"] == 8 and by_id[x["block_table"][0]]["token_ids"] == [0, 1, 2, 3]
+    assert x["num_cached_tokens"] == 9 and by_id[x["block_table"][0]]["token_ids"] == [0, 1, 2, 3]
 
 
 # --- budgets and bad input ---------------------------------------------------------------------------------

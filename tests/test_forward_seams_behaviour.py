@@ -184,8 +184,9 @@ def test_paged_attention_takes_the_kernels_its_pool_allows(monkeypatch, backend,
             return fn(*args, **kwargs)
         return call
 
-    monkeypatch.setattr(decode_kernels, "paged_decode_attention",
-                        counted("decode", decode_kernels.paged_decode_attention))
+    # the paged decode's kernel call: one PagedDecodeCall per window a step, called once per layer
+    monkeypatch.setattr(decode_kernels.PagedDecodeCall, "__call__",
+                        counted("decode", decode_kernels.PagedDecodeCall.__call__))
     monkeypatch.setattr(prefill_attention, "varlen_prefill_attention",
                         counted("prefill", prefill_attention.varlen_prefill_attention))
     monkeypatch.setattr(seams, "paged_attention", counted("numpy", seams.paged_attention))

@@ -50,11 +50,17 @@ def test_a_bad_config_exits_2_naming_the_field_before_loading(command, flag, spe
     assert field in lines[0] and "/no/such/target" not in lines[0]
 
 
-def test_flags_of_the_contiguous_path_are_refused_with_speculation(tmp_path):
-    proc = kvlab("generate", "--model", "/no/such/target", "--speculative-config", NGRAM,
-                 "--prompt-cache", str(tmp_path / "p.kv"), "x")
-    assert proc.returncode == 2 and "--prompt-cache cannot be combined with --speculative-config" in proc.stderr
-    assert not (tmp_path / "p.kv").exists()
+def test_the_prompt_cache_works_with_speculation(tmp_path):
+    """Once refused (the prompt cache was the contiguous path's), now both run on the engine: the second run
+    restores the file into the prefix cache, reuses all but the last prompt token and prints the same text."""
+    common = ["generate", "--dtype", "float64", "-n", "24", "--ignore-eos", "--temperature", "0", PROMPT]
+    plain = kvlab(*common)
+    first = kvlab(*common, "--speculative-config", NGRAM, "--prompt-cache", str(tmp_path / "p.kv"))
+    second = kvlab(*common, "--speculative-config", NGRAM, "--prompt-cache", str(tmp_path / "p.kv"))
+    assert plain.returncode == first.returncode == second.returncode == 0, second.stderr
+    assert plain.stdout == first.stdout == second.stdout
+    (n, warm), = re.findall(r"prompt (\d+) tokens \((\d+) cached\)", second.stderr)
+    assert int(warm) == int(n) - 1 > 0
 
 
 # --- kvlab generate ------------------------------------------------------------------------------------------

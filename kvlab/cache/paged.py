@@ -31,7 +31,7 @@ from kvlab.validate import positive_int
 def slot_mapping(block_table: Sequence[int], start: int, count: int, block_size: int) -> np.ndarray:
     """Global slots [count] of positions start..start+count-1 of a sequence: block * block_size + offset.
 
-    The one place a position becomes a slot: the engine's model runner, PagedStore and verify's paged
+    The one place a position becomes a slot: the engine's model runner, session files and verify's paged
     schedule all call it, so they cannot disagree about where a row lives.
     """
     positions = np.arange(start, start + count)
@@ -41,8 +41,14 @@ def slot_mapping(block_table: Sequence[int], start: int, count: int, block_size:
 def write_slots(key_cache: np.ndarray, value_cache: np.ndarray, slot_mapping: np.ndarray,
                 keys: np.ndarray, values: np.ndarray) -> None:
     """Store keys/values [N, H_kv, d] at global slots [N] (slot = block * block_size + row) of one layer."""
-    block_size = key_cache.shape[2]
-    blocks, rows = np.divmod(slot_mapping, block_size)
+    blocks, rows = np.divmod(slot_mapping, key_cache.shape[2])
+    write_rows(key_cache, value_cache, blocks, rows, keys, values)
+
+
+def write_rows(key_cache: np.ndarray, value_cache: np.ndarray, blocks: np.ndarray, rows: np.ndarray,
+               keys: np.ndarray, values: np.ndarray) -> None:
+    """`write_slots` with the slots already split into (block, row): a forward splits them once for all
+    its layers."""
     if isinstance(key_cache, QuantizedBlocks):  # int8/int4/fp8 pool: quantize rows as they are written
         key_cache.write(blocks, rows, keys)
         value_cache.write(blocks, rows, values)
@@ -188,6 +194,18 @@ class BlockPool:
             raise InputError(f"block {block} is in use: only unreferenced blocks can be freed")
         self._free.append(block)
 
+    def make_private(self, table: list[int], index: int, num_tokens: int) -> None:
+        """Copy-on-write: `table[index]` becomes a block only this table holds, with the first `num_tokens`
+        rows of the one it replaces. The one copy-on-write of the engine (a fork's shared tail, a policy's
+        sink rows). The old block is released first: its rows stay intact until a block is allocated, and if
+        the pool hands that very block back (it was cached and only ours) it is already ours alone."""
+        block = table[index]
+        self.release([block])
+        [copy] = self.allocate(1)
+        if copy != block:
+            self.copy_block(block, copy, num_tokens)
+        table[index] = copy
+
     def copy_block(self, src: int, dst: int, num_tokens: int) -> None:
         """Copy the first `num_tokens` rows of block `src` into `dst` in every layer (copy-on-write)."""
         for arrays in (self.key_cache, self.value_cache):
@@ -196,76 +214,3 @@ class BlockPool:
                     layer.copy_rows(src, dst, num_tokens)
                 else:
                     layer[dst, :, :num_tokens] = layer[src, :, :num_tokens]
-
-
-class PagedStore:
-    """A KVStore over a BlockPool for one sequence, so `KVCache` (and `LlamaModel.forward`) run on blocks.
-
-    Blocks are taken from the pool as positions are reserved; `copy` shares the full blocks (ref counts)
-    and copies only the partially filled last one, so a fork costs at most one block. Call `release`
-    when done with it, or the pool keeps the blocks.
-    """
-
-    def __init__(self, pool: BlockPool, block_table: Sequence[int] = ()) -> None:
-        self.pool = pool
-        self.block_table = list(block_table)
-        self.dtype = pool.read_dtype
-
-    @property
-    def capacity_tokens(self) -> int:
-        return len(self.block_table) * self.pool.block_size
-
-    @property
-    def capacity_bytes(self) -> int:
-        return len(self.block_table) * self.pool.bytes_per_block
-
-    def reserve(self, num_tokens: int) -> None:
-        more = self.pool.blocks_for(num_tokens) - len(self.block_table)
-        if more > 0:
-            self.block_table += self.pool.allocate(more)
-
-    def write(self, layer: int, start: int, keys: np.ndarray, values: np.ndarray) -> None:
-        if keys.shape[0] != 1:
-            raise InputError(f"a PagedStore holds one sequence, got a batch of {keys.shape[0]}")
-        if layer == 0:
-            self._own(start, keys.shape[2])
-        slots = slot_mapping(self.block_table, start, keys.shape[2], self.pool.block_size)
-        write_slots(self.pool.key_cache[layer], self.pool.value_cache[layer], slots,
-                    keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2))
-
-    def _own(self, start: int, count: int) -> None:
-        """Copy-on-write: blocks about to be written that a fork also holds are copied first."""
-        size = self.pool.block_size
-        for index in range(start // size, self.pool.blocks_for(start + count)):
-            block = self.block_table[index]
-            if self.pool.ref_counts[block] > 1:
-                [copy] = self.pool.allocate(1)
-                self.pool.copy_block(block, copy, size)
-                self.pool.release([block])
-                self.block_table[index] = copy
-
-    def read(self, layer: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-        table = np.asarray([self.block_table[:self.pool.blocks_for(length)]], dtype=np.int64)
-        if table.shape[1] == 0:
-            shape = (1, self.pool.key_cache[layer].shape[1], 0, self.pool.key_cache[layer].shape[3])
-            return np.zeros(shape, self.dtype), np.zeros(shape, self.dtype)
-        return (gather_blocks(self.pool.key_cache[layer], table, length),
-                gather_blocks(self.pool.value_cache[layer], table, length))
-
-    def copy(self, length: int) -> "PagedStore":
-        full, partial = divmod(length, self.pool.block_size)
-        shared = self.block_table[:full]
-        if partial and self.pool.num_free_blocks < 1:
-            raise InputError("no free block for the copy of the partially filled last block")
-        self.pool.acquire(shared)
-        table = list(shared)
-        if partial:
-            [block] = self.pool.allocate(1)
-            self.pool.copy_block(self.block_table[full], block, partial)
-            table.append(block)
-        return PagedStore(self.pool, table)
-
-    def release(self) -> None:
-        """Give every block back to the pool."""
-        self.pool.release(self.block_table)
-        self.block_table = []

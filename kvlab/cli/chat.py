@@ -1,7 +1,7 @@
 """`kvlab chat`: a multi-turn chat whose KV cache survives across turns.
 
 Every turn the whole conversation is rendered to token ids (the tokenizer's chat template where it has one,
-else plain continuation) and fed to a Session, which computes only what is not cached yet. Replies go to
+else plain continuation) and sent to the engine, whose prefix cache computes only what is not cached yet. Replies go to
 stdout; after each one, a line of stats goes to stderr: `prompt N tokens (M cached)`, the cache's tokens
 and bytes, prefill time and decode speed. Works interactively (prompt, readline history) and piped (one message
 or command per input line, no prompt), so it can be scripted and tested.
@@ -15,7 +15,8 @@ import time
 from typing import Any, Iterator, TextIO
 
 from kvlab.cli.checks import check_sampling_flags, draw_seed, drawn_seed_note
-from kvlab.cli.engine_stream import add_speculative_flag, engine_chat, speculative_config
+from kvlab.cli.engine_stream import (add_kv_tier_flag, add_speculative_flag, engine_for_one, spec_counts,
+                                     speculative_config, stream_request, warm_up)
 from kvlab.cli.fmt import human_bytes, prompt_tokens_text
 from kvlab.cli.model_flags import add_activations_flag
 from kvlab.cli.sampling_flags import (add_grammar_flags, add_sampling_flags, compiled_grammar, grammar_spec,
@@ -23,9 +24,10 @@ from kvlab.cli.sampling_flags import (add_grammar_flags, add_sampling_flags, com
 from kvlab.sampling.defaults import ResolvedSampling
 from kvlab.errors import InputError, KVLabError
 from kvlab.model.llama import LlamaModel, TinyLlama
-from kvlab.progress import KernelCompiles, compiling_kernels
+from kvlab.progress import KernelCompiles
 from kvlab.sessions.conversation import Conversation
-from kvlab.sessions.session import Session
+from kvlab.sessions.session_io import read_session, register_session, save_session
+from kvlab.sampling.sampler import SamplingParams
 from kvlab.tokenizer import ByteTokenizer
 from kvlab.validate import decode_text
 
@@ -59,6 +61,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_activations_flag(p)
     add_grammar_flags(p)
     add_speculative_flag(p)
+    add_kv_tier_flag(p)
     p.set_defaults(run=run)
 
 
@@ -175,20 +178,30 @@ def input_lines(stdin: TextIO, history: str | None) -> Iterator[str | None]:
 
 # --- the chat -----------------------------------------------------------------------------------------------
 class Chat:
-    """One conversation: its messages, its session, and how replies are produced and reported."""
+    """One conversation: its messages, the engine that holds its K/V, and how replies are produced and
+    reported.
+
+    Each reply is one engine request for the rendered history (earlier replies as the ids they were
+    generated as, never re-encoded), so the prefix cache finds every row of the turns before it.
+    `--kv-tier` makes that reach across processes; /save and /load write and read the conversation's blocks
+    and messages as a session file (kvlab/sessions/session_io.py)."""
 
     def __init__(self, model: LlamaModel, tokenizer: Any, args: argparse.Namespace,
                  out: TextIO | None = None, err: TextIO | None = None,
-                 sampling: ResolvedSampling | None = None) -> None:
+                 sampling: ResolvedSampling | None = None, spec: Any = None) -> None:
         # sys.stdout/stderr are looked up now, not when the module was imported (they may be redirected)
         self.out, self.err = out or sys.stdout, err or sys.stderr
         self.model, self.tokenizer, self.args = model, tokenizer, args
         self.sampling = sampling or sampling_settings(args, None, model_known=False)
-        self.session = Session(model, kv_dtype=args.kv_dtype)
-        self.conversation = self._fresh()
+        self.spec = spec
         self.stop = stop_ids(model, tokenizer)
+        self.engine = engine_for_one(model, tokenizer, spec, args.kv_dtype, model.config.max_position_embeddings,
+                                     self.stop, kv_tiers=getattr(args, "kv_tier", None))
+        self.warm_up_seconds = warm_up(self.engine, 0)
+        self.conversation = self._fresh()
         self.grammar = compiled_grammar(args, tokenizer, model.config.vocab_size, self.stop)  # every reply
         self.replies = 0
+        self.history_ids: list[int] = []  # the ids whose K/V the last reply computed: prompt + reply[:-1]
 
     def _fresh(self) -> Conversation:
         conversation = Conversation()
@@ -198,6 +211,10 @@ class Chat:
 
     def note(self, text: str) -> None:
         print(text, file=self.err, flush=True)
+
+    def close(self) -> None:
+        """Drain the K/V tier's writes (a second process reads them)."""
+        self.engine.close()
 
     def handle(self, line: str | None) -> bool:
         """Act on one input line; False means quit. An error is reported and the conversation kept as it was
@@ -238,8 +255,9 @@ class Chat:
         elif command == "/undo":
             dropped = self.conversation.undo()
             self.note(f"(dropped: {dropped[0]['content']!r})" if dropped else "(nothing to undo)")
-        elif command == "/reset":
-            self.conversation, self.session = self._fresh(), Session(self.model, kv_dtype=self.args.kv_dtype)
+        elif command == "/reset":  # a new conversation starts from an empty cache, as a fresh process would
+            self.conversation, self.history_ids = self._fresh(), []
+            self.engine.reset_prefix_cache()
             self.note("(new conversation)")
         elif command in ("/save", "/load"):
             if not rest:
@@ -251,26 +269,26 @@ class Chat:
         return True
 
     def save(self, path: str) -> None:
-        self.session.extra = {"messages": self.conversation.to_json()}
         try:
-            self.session.save(path)
+            rows = save_session(self.engine, path, self.history_ids, {"messages": self.conversation.to_json()})
         except KVLabError as exc:
             self.note(f"error: {exc}")
             return
-        report = self.session.memory_report()
-        self.note(f"(saved {report.num_tokens} tokens, {human_bytes(report.payload_bytes)} of K/V, "
+        pool = self.engine.block_pool
+        self.note(f"(saved {rows} tokens, {human_bytes(rows * pool.bytes_per_block // pool.block_size)} of K/V, "
                   f"to {path})")
 
     def load(self, path: str) -> None:
         try:
-            session = Session.load(path, self.model, kv_dtype=self.args.kv_dtype)
-            conversation = Conversation.from_json(session.extra.get("messages", []))
+            saved = read_session(self.engine, path)
+            conversation = Conversation.from_json(saved.extra.get("messages", []))
         except (KVLabError, ValueError) as exc:
             self.note(f"error: {exc} (the current conversation is unchanged)")
             return
-        self.session, self.conversation = session, conversation
-        self.note(f"(loaded {session.num_cached_tokens} cached tokens and {len(conversation.messages)} "
-                  f"messages from {path})")
+        self.engine.reset_prefix_cache()  # the loaded conversation replaces this one, as in a fresh process
+        cached = register_session(self.engine, saved)
+        self.conversation, self.history_ids = conversation, saved.tokens
+        self.note(f"(loaded {cached} cached tokens and {len(conversation.messages)} messages from {path})")
 
     def _fit(self) -> list[int] | None:
         """The conversation's ids with room for a reply, dropping the oldest exchanges if the context is full.
@@ -293,41 +311,46 @@ class Chat:
 
     def reply(self) -> bool:
         """Answer the conversation; False (and the message dropped) when it does not fit the context."""
-        with KernelCompiles() as compiles:  # what the warm-up did not compile (a longer context's): not timed
-            return self._reply(compiles)
-
-    def _reply(self, compiles: KernelCompiles) -> bool:
         ids = self._fit()
         if ids is None:
             return False
         a = self.args
-        fed = time.perf_counter()
-        turn = self.session.feed(ids)
-        prefill = time.perf_counter() - fed
-        prefill -= compiles.seconds_between(fed, fed + prefill)
         room = self.model.config.max_position_embeddings - len(ids)
-        stream = self.session.stream(min(a.max_tokens, room), **self.sampling.values, stop_token_ids=self.stop,
-                                     seed=None if a.seed is None else a.seed + self.replies, grammar=self.grammar)
+        params = SamplingParams(**self.sampling.values, seed=None if a.seed is None else a.seed + self.replies,
+                                max_tokens=min(a.max_tokens, room), grammar=self.grammar)  # engine: eos
         self.replies += 1
         new: list[int] = []
         decoder = stream_decoder(self.tokenizer, ids)
-        start = time.perf_counter()
-        try:
-            for token in stream:
-                new.append(token)
-                self.out.write(decoder.push(token))
-                self.out.flush()
-        except KeyboardInterrupt:  # stop the reply, keep what was said (the session stays consistent)
-            self.note("\n(interrupted)")
-        end = time.perf_counter()
-        seconds = end - start - compiles.seconds_between(start, end)
+        times: list[float] = []
+
+        def on_token(token: int) -> None:
+            times.append(time.perf_counter())
+            new.append(token)
+            self.out.write(decoder.push(token))
+            self.out.flush()
+
+        before = spec_counts(self.engine)
+        reused = 0
+        with KernelCompiles() as compiles:  # what the warm-up did not compile: not timed
+            start = time.perf_counter()
+            try:
+                out = stream_request(self.engine, f"turn-{self.replies}", ids, params, on_token)
+                reused = out.num_cached_tokens
+            except KeyboardInterrupt:  # stop the reply, keep what was said (its blocks went back to the pool)
+                self.note("\n(interrupted)")
         self.out.write(decoder.flush() + "\n")
         self.out.flush()
         self.conversation.add("assistant", self.tokenizer.decode(new), new)
-        report = self.session.memory_report()
-        speed = f"{len(new) / seconds:.1f} tok/s" if seconds > 0 and new else "-"
-        self.note(f"[{prompt_tokens_text(turn.tokens, turn.reused)} · cache {report.num_tokens} tok "
-                  f"{human_bytes(report.payload_bytes)} · prefill {prefill * 1e3:.1f} ms · decode {speed}"
+        self.history_ids = ids + new[:-1]
+        prefill = (times[0] - start - compiles.seconds_between(start, times[0])) if times else 0.0
+        decode = (times[-1] - times[0] - compiles.seconds_between(times[0], times[-1])) if len(times) > 1 else 0.0
+        speed = f"{(len(new) - 1) / decode:.1f} tok/s" if decode > 0 else "-"
+        tokens = len(self.history_ids)
+        pool = self.engine.block_pool
+        drafted = f" · {(spec_counts(self.engine) - before).text()}" if self.spec is not None else ""
+        self.note(f"[{prompt_tokens_text(len(ids), reused)} · cache {tokens} tok "
+                  f"{human_bytes(tokens * pool.bytes_per_block // pool.block_size)} · prefill "
+                  f"{prefill * 1e3:.1f} ms · decode {speed}{drafted}"
                   + (f" · kernels compiled {compiles.seconds:.1f} s, not counted" if compiles.count else "") + "]")
         return True
 
@@ -341,11 +364,8 @@ def run(args: argparse.Namespace) -> int:
     seed_drawn = draw_seed(args)  # -1: a seed drawn now and said, so reply i's seed + i can be repeated
     sampling_settings(args, None, model_known=False)  # a bad flag fails before chatting
     model, tokenizer, name = load_model(args)
-    with compiling_kernels():  # first run only: said on stderr, and kept out of the first reply's figures
-        model.warm_up(args.kv_dtype)
     sampling = sampling_settings(args, args.model, model_known=not isinstance(model, TinyLlama))
-    chat = Chat(model, tokenizer, args, sampling=sampling) if spec is None else \
-        engine_chat(model, tokenizer, args, spec, sampling)  # speculation runs in the engine (same replies)
+    chat = Chat(model, tokenizer, args, sampling=sampling, spec=spec)  # its warm-up says if kernels compile
     if sys.stdin.isatty():
         chat.note(f"kvlab chat · {name} · context {model.config.max_position_embeddings} tokens · "
                   f"sampling: {sampling.summary()} · /help for commands, Ctrl-D to leave")
@@ -353,7 +373,10 @@ def run(args: argparse.Namespace) -> int:
         chat.note(sampling.describe())
     if seed_drawn:
         chat.note(drawn_seed_note(args.seed))
-    for line in input_lines(sys.stdin, args.history):
-        if not chat.handle(line):
-            break
+    try:
+        for line in input_lines(sys.stdin, args.history):
+            if not chat.handle(line):
+                break
+    finally:
+        chat.close()
     return 0

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence, TextIO
 from kvlab.cache.dtypes import KV_CACHE_DTYPES
 from kvlab.cache.kv_cache import KVCache
 from kvlab.cli.checks import check_sampling_flags, draw_seed, drawn_seed_note
-from kvlab.cli.engine_stream import add_speculative_flag, generate_with_engine, speculative_config
+from kvlab.cli.engine_stream import add_kv_tier_flag, add_speculative_flag, generate_with_engine, speculative_config
 from kvlab.cli.fmt import human_bytes, prompt_tokens_text, read_stdin
 from kvlab.cli.model_flags import add_activations_flag
 from kvlab.cli.sampling_flags import (add_grammar_flags, add_sampling_flags, compiled_grammar, grammar_spec,
@@ -27,7 +27,7 @@ from kvlab.generation.generate import stream_generate
 from kvlab.errors import ContextLengthError, InputError
 from kvlab.progress import KernelCompiles, compiling_kernels
 from kvlab.model.llama import LlamaModel
-from kvlab.sessions.prompt_cache import generate_with_prompt_cache
+from kvlab.policies.h2o import HeavyHitters
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -69,6 +69,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_activations_flag(p)
     add_grammar_flags(p)
     add_speculative_flag(p)
+    add_kv_tier_flag(p)
     p.set_defaults(run=run)
 
 
@@ -147,10 +148,9 @@ class TextStream:
             self.out.flush()
             self._ends_with_newline = text.endswith("\n")
 
-    def stats(self, prompt_tokens: int, computed_prompt_tokens: int, cache: KVCache,
-              stop_reason: str, compiles: KernelCompiles | None = None) -> GenerationStats:
+    def stats(self, prompt_tokens: int, computed_prompt_tokens: int, cache_tokens: int, cache_bytes: int,
+              cache_dtype: str, stop_reason: str, compiles: KernelCompiles | None = None) -> GenerationStats:
         """`compiles`: numba's compiles during the run, whose time is taken out of prefill and decode."""
-        report = cache.memory_report()
         compiles = compiles or KernelCompiles()
         prefill = (self.first_token_at - self.started) if self.tokens else 0.0
         decode = self.last_token_at - self.first_token_at
@@ -159,8 +159,7 @@ class TextStream:
             prefill_seconds=prefill - compiles.seconds_between(self.started, self.first_token_at),
             new_tokens=len(self.tokens),
             decode_seconds=decode - compiles.seconds_between(self.first_token_at, self.last_token_at),
-            cache_tokens=cache.get_seq_length(), cache_bytes=report.payload_bytes + report.scale_bytes,
-            cache_dtype=report.dtype,
+            cache_tokens=cache_tokens, cache_bytes=cache_bytes, cache_dtype=cache_dtype,
             stop_reason=stop_reason, compile_seconds=compiles.seconds)
 
 
@@ -279,22 +278,26 @@ def run(args: argparse.Namespace) -> int:
     check_sampling_flags(args)  # fail before loading
     grammar_spec(args)  # a bad grammar or schema fails before loading too
     spec = speculative_config(args)  # and a bad --speculative-config
-    seed_drawn = draw_seed(args)
-    resolved = sampling_settings(args, args.model)
-    model, tokenizer = load(args.model, dtype=args.dtype, activations=args.activations)
-    prompt = encode_prompt(tokenizer, text, args.chat)
-    if spec is not None:  # speculation lives in the engine: the command runs through it (same text)
-        return generate_with_engine(args, model, tokenizer, text, prompt, spec, resolved, seed_drawn)
-    policy = cache_policy(args, model, prompt, tokenizer)
-    stop = [] if args.ignore_eos else stop_token_ids(model, tokenizer)
-    max_tokens = None if args.max_tokens == -1 else args.max_tokens
-    context = model.config.max_position_embeddings
-    capacity = min(context, len(prompt) + (max_tokens or context), policy.budget if policy else context)
-    if args.prompt_cache and policy is not None:  # refused before a cold start compiles for it
+    if args.prompt_cache and (args.context_shift or args.cache_policy):  # refused before loading
         raise InputError("--prompt-cache cannot be combined with --context-shift or --cache-policy: a "
                          "shifted cache no longer matches the prompt's token prefix")
     if args.prompt_cache and Path(args.prompt_cache).is_dir():
         raise InputError(f"{args.prompt_cache}: cannot read (Is a directory)")
+    seed_drawn = draw_seed(args)
+    resolved = sampling_settings(args, args.model)
+    model, tokenizer = load(args.model, dtype=args.dtype, activations=args.activations)
+    prompt = encode_prompt(tokenizer, text, args.chat)
+    policy = cache_policy(args, model, prompt, tokenizer)
+    if not isinstance(policy, HeavyHitters):  # the engine runs everything else
+        return generate_with_engine(args, model, tokenizer, text, prompt, spec, resolved, seed_drawn, policy)
+    if spec is not None or args.kv_tier:
+        raise InputError(f"--cache-policy {args.cache_policy} (H2O keeps rows by attention scores) runs only on "
+                         "the contiguous reference cache: it cannot be combined with --speculative-config or "
+                         "--kv-tier")
+    stop = [] if args.ignore_eos else stop_token_ids(model, tokenizer)
+    max_tokens = None if args.max_tokens == -1 else args.max_tokens
+    context = model.config.max_position_embeddings
+    capacity = min(context, len(prompt) + (max_tokens or context), policy.budget)
     cache = model.new_cache(1, kv_dtype=args.kv_dtype, capacity=capacity)
     with compiling_kernels() as warm_up:  # a first run compiles, and says so; a warm one loads numba's disk cache
         model.warm_up(args.kv_dtype)  # so the prefill figure is the prefill's own
@@ -305,21 +308,17 @@ def run(args: argparse.Namespace) -> int:
                     grammar=compiled_grammar(args, tokenizer, model.config.vocab_size, stop))
     compiles = KernelCompiles().start()  # a compile the warm-up did not cover: kept out of the figures
     try:
-        if args.prompt_cache:  # a Session restored from FILE: reuses the common prefix, saved back after
-            done = generate_with_prompt_cache(model, prompt, args.prompt_cache, max_tokens,
-                                              kv_dtype=args.kv_dtype, on_token=stream.on_token,
-                                              stop_token_ids=stop, **sampling)
-            cache, computed, reason = done.session.cache, done.turn.computed, done.stop_reason
-        else:
-            computed, reason = generate_tokens(
-                model, prompt, stream.on_token, cache=cache, max_tokens=max_tokens, stop_token_ids=stop,
-                policy=policy, **sampling)
+        computed, reason = generate_tokens(
+            model, prompt, stream.on_token, cache=cache, max_tokens=max_tokens, stop_token_ids=stop,
+            policy=policy, **sampling)
     except KeyboardInterrupt:
         computed, reason = len(prompt), "interrupted"
     finally:
         compiles.stop()
     stream.finish()
-    stats = stream.stats(len(prompt), computed, cache, reason, compiles)
+    report = cache.memory_report()
+    stats = stream.stats(len(prompt), computed, cache.get_seq_length(), report.payload_bytes + report.scale_bytes,
+                         report.dtype, reason, compiles)
     stats.compile_seconds += warm_up.seconds
     print(stats.line() + f" | sampling: {resolved.summary()}"
           + (f" | {drawn_seed_note(args.seed)}" if seed_drawn else ""), file=sys.stderr, flush=True)

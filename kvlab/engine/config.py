@@ -119,8 +119,9 @@ class EngineConfig:
                                                                                    "kv_cache_memory")
             except InputError as exc:
                 raise ConfigError(f"kv_cache_memory: {exc}") from None
-        else:
-            num_blocks = max(1, max_num_seqs * math.ceil(max_model_len / block_size))
+        else:  # every seat a whole context, and at least what a cache policy holds at once
+            policy_need = _policy_blocks(_engine_policy(kv_policy, config, max_model_len), block_size)
+            num_blocks = max(1, max_num_seqs * math.ceil(max_model_len / block_size), policy_need)
             if num_blocks * bytes_per_block + max_num_seqs * seat_bytes > DEFAULT_MAX_KV_BYTES:
                 num_blocks, budget = None, DEFAULT_MAX_KV_BYTES
         if budget is not None:  # the sliding groups' seats first, the rest to group 0
@@ -145,12 +146,20 @@ class EngineConfig:
                               "layer type's own blocks (KV-cache groups) and runs no policy over them; leave "
                               "kv_policy unset")
         if policy is not None:
-            need = math.ceil(policy.budget / block_size) + 1 + math.ceil(_prefix_rows(policy) / block_size)
+            need = _policy_blocks(policy, block_size)
             if need > num_blocks:
                 raise ConfigError(f"kv_policy {policy} holds up to {need} blocks of {block_size} tokens at "
                                   f"once but the pool has {num_blocks}: give a smaller policy or more memory")
         return cls(block_size, num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len,
                    enable_prefix_caching, kv_dtype, bytes_per_block, policy, layouts)
+
+
+def _policy_blocks(policy: Policy | None, block_size: int) -> int:
+    """Blocks a sequence under `policy` may hold at once: its budget, the chunk being written, and the kept
+    prefix (sinks or n_keep) rounded to its own blocks."""
+    if policy is None:
+        return 0
+    return math.ceil(policy.budget / block_size) + 1 + math.ceil(_prefix_rows(policy) / block_size)
 
 
 def _prefix_rows(policy: Policy) -> int:

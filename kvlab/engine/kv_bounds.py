@@ -196,15 +196,8 @@ class KVBounds:
         where the model runner writes the prefix rows re-rotated by view_start (ModelRunner.write_sinks)."""
         size = self.pool.block_size
         for index in self.sink_indices(seq):
-            block = seq.block_table[index]
-            if not self._private(seq, block):
-                # release first: its rows stay intact until a block is allocated, and if the pool hands
-                # this very block back (it was cached and only ours) it is already ours alone
-                self.pool.release([block])
-                [copy] = self.pool.allocate(1)
-                if copy != block:
-                    self.pool.copy_block(block, copy, size)  # rows past the sinks may be live tail rows
-                seq.block_table[index] = copy
+            if not self._private(seq, seq.block_table[index]):  # rows past the sinks may be live tail rows
+                self.pool.make_private(seq.block_table, index, size)
 
     def sink_indices(self, seq: Sequence) -> range:
         """Table indices the sink rows are written to this step (each becomes a private block)."""

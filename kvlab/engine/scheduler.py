@@ -6,7 +6,9 @@ scheduled, then running prefills get chunks, then waiting sequences are admitted
 step computes. When the pool runs out, the most recently admitted running sequence is preempted by
 recompute: its blocks are released (its full blocks stay cached, so re-admission hits them) and it goes
 back to the front of the waiting queue, keeping the tokens it generated. A waiting sequence starts from
-its longest prefix-cache hit, in whole blocks, always computing its last token.
+its longest prefix-cache hit — whole blocks, then the rows of a cached tail (kvlab/prefix/prefix_cache.py)
+copied into a private block — always computing its last token; a tail copy that does not fit is recomputed
+instead, so a tail never keeps a request waiting.
 
 Sliding-window models and cache policies bound what a sequence holds (kvlab/engine/kv_bounds.py): before
 each chunk the bounds evict what the policy drops and release blocks no query can see again; a policy
@@ -129,26 +131,25 @@ class Scheduler:
             if len(self.groups) > 1:  # a hybrid hit counts only where every group has what it reads
                 num_hit, found = longest_hit(self.groups, seq, keys[:len(hits)])
                 hits = hits[:num_hit]
-            num_cached = len(hits) * size
-            num_new = min(seq.num_tokens - num_cached, budget, self._chunk_cap())
-            if self.bounds.policy is not None:  # the first chunk evicts nothing (see max_hit_blocks)
-                num_new = min(num_new, self.bounds.policy.budget - num_cached)
-            # a sliding window's hit takes only the blocks its queries still see (vLLM's rule); taking every
-            # hit could need more blocks than the pool has, and the request waited forever (issue 32)
-            plans, fits = [], True
-            for group, cached in zip(self.groups, [hits] + found):
-                first = min(group.bounds.first_visible_block(seq, num_cached), len(hits))
-                kept = cached[first:] if group.index == 0 else cached
-                total = group.pool.blocks_for(num_cached + num_new) - first
-                revived = sum(1 for b in kept if group.pool.ref_counts[b] == 0)  # cached blocks leaving the LRU
-                plans.append((group, first, kept, total))
-                fits = fits and total - len(kept) + revived <= group.pool.num_free_blocks
+            tail = self._tail_hit(seq, hits, keys[:len(hits)])  # (cached block, rows) continuing the hit, or None
+            for tail in [tail, None] if tail is not None else [None]:  # a tail that does not fit: recompute it
+                num_cached = len(hits) * size + (tail[1] if tail is not None else 0)
+                num_new, plans, fits = self._plan(seq, hits, found, tail, num_cached, budget)
+                if fits:
+                    break
             if not fits:
                 break
             self.waiting.popleft()
             for group, first, kept, total in plans:
                 group.pool.acquire(kept)
-                seq.block_tables[group.index] = [NULL_BLOCK] * first + kept + group.pool.allocate(total - len(kept))
+                if tail is not None and group.index == 0:  # a private copy of the tail's rows, written on from there
+                    group.pool.acquire([tail[0]])
+                    new = group.pool.allocate(total - len(kept))
+                    group.pool.copy_block(tail[0], new[0], tail[1])
+                    group.pool.release([tail[0]])
+                else:
+                    new = group.pool.allocate(total - len(kept))
+                seq.block_tables[group.index] = [NULL_BLOCK] * first + kept + new
             seq.block_keys = keys[:len(hits)]
             seq.num_computed_tokens = num_cached
             self.prefix_cache.record(seq.num_tokens, num_cached)
@@ -161,7 +162,45 @@ class Scheduler:
             budget -= num_new
         return budget
 
+    def _plan(self, seq: Sequence, hits: list[int], found: list[list[int]], tail: tuple[int, int] | None,
+              num_cached: int, budget: int) -> tuple[int, list, bool]:
+        """The first chunk of a waiting `seq` admitted with `num_cached` tokens cached: (its tokens, per group
+        (group, first visible block, cached blocks kept, blocks in all), whether every group has them free)."""
+        num_new = min(seq.num_tokens - num_cached, budget, self._chunk_cap())
+        if self.bounds.policy is not None:  # the first chunk evicts nothing (see max_hit_blocks)
+            num_new = min(num_new, self.bounds.policy.budget - num_cached)
+        # a sliding window's hit takes only the blocks its queries still see (vLLM's rule); taking every
+        # hit could need more blocks than the pool has, and the request waited forever (issue 32)
+        plans, fits = [], True
+        for group, cached in zip(self.groups, [hits] + found):
+            first = min(group.bounds.first_visible_block(seq, num_cached), len(hits))
+            kept = cached[first:] if group.index == 0 else cached
+            total = group.pool.blocks_for(num_cached + num_new) - first
+            revived = sum(1 for b in kept if group.pool.ref_counts[b] == 0)  # cached blocks leaving the LRU
+            if tail is not None and group.index == 0 and group.pool.ref_counts[tail[0]] == 0:
+                revived += 1  # a cached tail, held (out of the LRU) while it is copied
+            plans.append((group, first, kept, total))
+            fits = fits and total - len(kept) + revived <= group.pool.num_free_blocks
+        return num_new, plans, fits
+
     # --- blocks --------------------------------------------------------------------------------------------
+    def _keeps_tails(self) -> bool:
+        """Whether partially filled last blocks are cached (kvlab/prefix/prefix_cache.py: token-granular
+        reuse): one KV-cache group, no cache policy, no sliding window (their blocks leave the table)."""
+        return (self.prefix_cache.enabled and len(self.groups) == 1 and self.bounds.policy is None
+                and self.groups[0].window is None)
+
+    def _tail_hit(self, seq: Sequence, hits: list[int], keys: list[bytes]) -> tuple[int, int] | None:
+        """The cached block (block, rows) whose first rows continue `hits` (a tail, or a full block that parts
+        from the prompt inside it), its rows capped so the last token is still computed."""
+        if not self._keeps_tails():
+            return None
+        start = len(hits) * self.pool.block_size
+        found = self.prefix_cache.match_tail(seq.token_ids, keys[-1] if keys else seq.request.root_key, start)
+        if found is None or min(found[1], seq.num_tokens - 1 - start) <= 0:
+            return None
+        return found[0], min(found[1], seq.num_tokens - 1 - start)
+
     def _chunk_cap(self) -> int:
         cap = self.bounds.max_chunk
         return cap if cap is not None else self.max_num_batched_tokens
@@ -195,11 +234,8 @@ class Scheduler:
         """Give `seq` the blocks of `group` its next `num_new` tokens are written into."""
         pool, table = group.pool, group.table(seq)
         if self._shared_tail(group, seq):
-            index = seq.num_computed_tokens // pool.block_size
-            [copy] = pool.allocate(1)
-            pool.copy_block(table[index], copy, seq.num_computed_tokens % pool.block_size)
-            pool.release([table[index]])
-            table[index] = copy
+            pool.make_private(table, seq.num_computed_tokens // pool.block_size,
+                              seq.num_computed_tokens % pool.block_size)
         more = pool.blocks_for(seq.num_computed_tokens + num_new) - len(table)
         table.extend(pool.allocate(more))
 
@@ -242,6 +278,13 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+        size, table = self.pool.block_size, self.groups[0].table(seq)
+        computed = seq.num_computed_tokens
+        if self._keeps_tails() and computed % size and len(seq.block_keys) == computed // size \
+                and computed // size < len(table):  # its partial last block stays findable (cache_tail)
+            self.prefix_cache.cache_tail(table[computed // size],
+                                         seq.block_keys[-1] if seq.block_keys else seq.request.root_key,
+                                         seq.token_ids[computed - computed % size:computed])
         for group in self.groups:
             group.pool.release(group.held(seq))
         self.bounds.release(seq)

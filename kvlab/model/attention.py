@@ -28,7 +28,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from kvlab.cache.base import Cache, PagedKV
-from kvlab.cache.paged import write_slots
+from kvlab.cache.paged import write_rows
 from kvlab.config import ModelConfig
 from kvlab.model.batch import BatchInput
 from kvlab.model.layers import attend, attention_mask
@@ -227,10 +227,7 @@ class PagedAttention:
         # place too (their StoredCodes); prefill chunks over quantized blocks go through the NumPy gather
         self.in_place = compiled and isinstance(self.key_cache[0], np.ndarray)
         self.decode_in_place = compiled and (self.in_place or hasattr(self.key_cache[0], "stored"))
-        if self.decode_in_place:
-            from kvlab.kernels import attention as decode_kernels
-
-            self._decode = decode_kernels
+        self.only_decodes = not self.others
         windows = [config.layer_window(i) for i in range(config.num_hidden_layers)]
         plans = {w: _PagedPlan(self, batch, w) for w in dict.fromkeys(windows)}
         self.layer_plans = [plans[w] for w in windows]
@@ -238,12 +235,14 @@ class PagedAttention:
     def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         key_cache, value_cache = self.key_cache[layer], self.value_cache[layer]
         plan = self.layer_plans[layer]
-        write_slots(key_cache, value_cache, plan.slot_mapping, k, v)
+        write_rows(key_cache, value_cache, plan.slot_blocks, plan.slot_rows, k, v)
+        if plan.decode_call is not None and self.only_decodes:  # a decode step: no rows to scatter
+            out = plan.decode_call(q, _stored(key_cache), _stored(value_cache), self.scale)
+            return out.reshape(q.shape[0], self.heads * self.head_dim)
         attn = np.empty((q.shape[0], self.heads, self.head_dim), dtype=q.dtype)
-        if self.decodes and self.decode_in_place:
-            attn[self.decode_rows] = self._decode.paged_decode_attention(
-                q[self.decode_rows], _stored(key_cache), _stored(value_cache), plan.decode_tables,
-                self.decode_lens, plan.decode_starts, scale=self.scale)
+        if plan.decode_call is not None:
+            attn[self.decode_rows] = plan.decode_call(q[self.decode_rows], _stored(key_cache),
+                                                      _stored(value_cache), self.scale)
         elif self.decodes:
             out = paged_attention(q[self.decode_rows][:, :, None], key_cache, value_cache, plan.decode_tables,
                                   self.decode_positions, self.decode_lens, causal=self.causal,
@@ -274,7 +273,10 @@ class _PagedPlan:
         self.window = window
         tables, self.slot_mapping = (batch.window_tables or {}).get(window, (batch.block_tables,
                                                                             batch.slot_mapping))
+        block_size = owner.key_cache[0].shape[2]
+        self.slot_blocks, self.slot_rows = np.divmod(np.asarray(self.slot_mapping, dtype=np.int64), block_size)
         self.decode_tables = _padded([tables[i] for i in owner.decodes]) if owner.decodes else None
+        self.decode_call = None  # compiled decodes: one kernel call a layer, its tables and ranges set up here
         self.seq_tables = {i: np.array([tables[i]], dtype=np.int64) for i in owner.others}
         self.decode_starts = None
         self.ranges: dict = {}  # compiled prefill: each chunk's visible keys as one range per query
@@ -285,6 +287,11 @@ class _PagedPlan:
             if batch.key_starts is not None:  # a cache policy's view start (kvlab/engine/kv_bounds.py)
                 view = np.array([batch.key_starts[i] for i in owner.decodes], dtype=np.int64)
                 self.decode_starts = view if self.decode_starts is None else np.maximum(self.decode_starts, view)
+            if owner.decode_in_place:
+                from kvlab.kernels.attention import PagedDecodeCall
+
+                self.decode_call = PagedDecodeCall(self.decode_tables, owner.decode_lens, self.decode_starts,
+                                                   block_size, owner.key_cache[0].shape[1])
         if not owner.in_place:
             return
         from kvlab.kernels import prefill_attention

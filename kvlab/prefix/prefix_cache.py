@@ -11,6 +11,12 @@ back when it runs dry.
 - `insert(block_table, token_ids, root, num_computed_tokens, known_keys)`: register newly full, computed
   blocks; returns the new keys and how many were already there (held by another block: left unregistered,
   so they are freed, not cached, when released).
+- `cache_tail(block, parent, token_ids)` / `match_tail(token_ids, parent, start)`: a finished sequence's
+  partially filled last block, kept (evictable, never referenced) and found by its rows' tokens, so a
+  conversation's next turn reuses every row of the last one, not only its whole blocks (SGLang's radix cache
+  matches token by token; vLLM's block hashes only whole blocks). A hit is copied into a private block, so a
+  cached tail is never written again. Tails are not announced to the listeners: a tier or the router keeps
+  whole blocks only.
 - `evict_all()`, `evictable_size` / `protected_size`, `check_invariants`.
 
 Two hook points for a shared K/V tier (kvlab's issue 23), on `PrefixCacheListener`: `block_stored` after a
@@ -80,6 +86,9 @@ class PrefixCache:
         self._block_info: dict[int, CachedBlock] = {}            # block -> what was registered
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 and cached, LRU first
         self._roots: set[bytes] = set()  # chain roots seen: a block whose parent is one starts a chain
+        self._tails: dict[bytes, dict[tuple[int, ...], int]] = {}  # parent key -> {rows' tokens: block}
+        self._tail_info: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # block -> (parent key, tokens)
+        self._children: dict[bytes | None, set[int]] = {}  # parent key -> its cached full blocks
         self._lock = threading.RLock()   # the engine drives one thread; a shared tier may call from another
         if enabled:
             pool.attach(self)
@@ -116,6 +125,38 @@ class PrefixCache:
             blocks.append(block)
             keys.append(key)
             parent = key
+
+    def match_tail(self, token_ids: Sequence[int], parent: bytes, start: int) -> tuple[int, int] | None:
+        """(block, rows) of the cached block under `parent` — a tail, or a full block that parts from
+        `token_ids` inside it — sharing the most leading tokens with `token_ids[start:]` (the rows of a
+        block depend only on the tokens up to them), or None."""
+        with self._lock:
+            best: tuple[int, int] | None = None
+            candidates = [(tokens, block) for tokens, block in self._tails.get(parent, {}).items()]
+            candidates += [(self._block_info[block].token_ids, block) for block in self._children.get(parent, ())]
+            for tokens, block in candidates:
+                rows = 0
+                for mine, theirs in zip(tokens, token_ids[start:start + len(tokens)]):
+                    if mine != int(theirs):
+                        break
+                    rows += 1
+                if rows and (best is None or rows > best[1]):
+                    best = (block, rows)
+            return best
+
+    def cache_tail(self, block: int, parent: bytes, token_ids: Sequence[int]) -> bool:
+        """Keep `block`, a releasing sequence's partially filled last block whose first rows hold `token_ids`
+        after the chain `parent`, findable by `match_tail` once released. False (nothing kept) when caching
+        is off, another sequence still references the block or the same rows are cached already."""
+        tokens = tuple(int(t) for t in token_ids)
+        with self._lock:
+            if not self.enabled or not 0 < len(tokens) < self.pool.block_size \
+                    or self.pool.ref_counts[block] != 1 or block in self._block_info \
+                    or tokens in self._tails.get(parent, {}):
+                return False
+            self._tails.setdefault(parent, {})[tokens] = block
+            self._tail_info[block] = (parent, tokens)
+            return True
 
     def lookup(self, key: bytes) -> int | None:
         return self._cached.get(key)
@@ -195,6 +236,7 @@ class PrefixCache:
             info = CachedBlock(key, parent, tuple(int(t) for t in token_ids))
             self._cached[key] = block
             self._block_info[block] = info
+            self._children.setdefault(parent, set()).add(block)
             for listener in self.listeners:
                 listener.block_stored(block, info)
             return True
@@ -209,7 +251,7 @@ class PrefixCache:
 
     def hold(self, block: int) -> bool:
         with self._lock:
-            if block not in self._block_info:
+            if block not in self._block_info and block not in self._tail_info:
                 return False
             self._evictable[block] = None
             return True
@@ -236,8 +278,17 @@ class PrefixCache:
             return count
 
     def _forget(self, block: int) -> None:
+        if block in self._tail_info:  # a tail: never announced, so nothing to tell the listeners
+            parent, tokens = self._tail_info.pop(block)
+            del self._tails[parent][tokens]
+            if not self._tails[parent]:
+                del self._tails[parent]
+            return
         info = self._block_info.pop(block)
         del self._cached[info.key]
+        self._children[info.parent].discard(block)
+        if not self._children[info.parent]:
+            del self._children[info.parent]
         for listener in self.listeners:
             listener.block_removed(info)
 
@@ -255,11 +306,16 @@ class PrefixCache:
     @property
     def protected_size(self) -> int:
         """Cached blocks some request references (they cannot be evicted now), in blocks."""
-        return len(self._block_info) - len(self._evictable)
+        return len(self._block_info) + len(self._tail_info) - len(self._evictable)
 
     def check_invariants(self, free: set[int]) -> None:
         """Every evictable block is cached and unreferenced; no free block is registered; the two maps agree."""
-        assert set(self._evictable) <= set(self._block_info), "an evictable block is not cached"
+        assert set(self._evictable) <= set(self._block_info) | set(self._tail_info), "an evictable block is not cached"
+        assert set(self._tail_info) <= set(self._evictable), "a cached tail is referenced"
+        assert not (free & set(self._tail_info)), "a free block is still a cached tail"
+        assert {b: (p, t) for p, tails in self._tails.items() for t, b in tails.items()} == self._tail_info
+        assert {b: self._block_info[b].parent for c in self._children.values() for b in c} \
+            == {b: i.parent for b, i in self._block_info.items()}, "the children index disagrees"
         assert all(self.pool.ref_counts[b] == 0 for b in self._evictable), "an evictable block is referenced"
         assert not (free & set(self._block_info)), "a free block is still registered"
         assert {b: k for k, b in self._cached.items()} == {b: i.key for b, i in self._block_info.items()}
