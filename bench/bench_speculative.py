@@ -82,14 +82,18 @@ KINDS = ["copy", "code edit", "quote summary", "free text"]
 
 def chat_requests(kind: str) -> list[str]:
     """The same four kinds as user messages for an instruct model (--model): copy the passage, rewrite the
-    function renamed, summarise quoting the passage, write freely."""
-    passages = [f"{a}.\n{b}." for a, b in zip(LINES, LINES[1:] + LINES[:1])]
+    function renamed, summarise quoting the passage, write freely. Each passage (five lines, ~100 tokens) and
+    function is about as long as the answer's --tokens (96), so a copy-heavy answer copies for most of its
+    length (with two-line passages the model copied ~40 tokens, then wrote freely: a mixed task)."""
+    passages = [".\n".join(LINES[(i + j) % len(LINES)] for j in range(5)) + "." for i in range(len(LINES))]
     if kind == "copy":
         return [f"Repeat the following text exactly, word for word:\n\n{p}" for p in passages]
     if kind == "code edit":
         return [f"Rewrite this Python function with its name changed to {name}_again, everything else the same:"
-                f"\n\ndef {name}(lord, lady):\n    line = \"{line[:40]}\"\n    if lord:\n        return line\n"
-                f"    return lady + line\n" for name, line in zip(NAMES, LINES)]
+                f"\n\ndef {name}(lord, lady, court=None):\n    line = \"{line[:40]}\"\n    if court is not None:\n"
+                f"        court.append(line)\n    if lord:\n        return line.upper()\n"
+                f"    for word in line.split():\n        lady = lady + word[::-1]\n    return lady + line\n"
+                for name, line in zip(NAMES, LINES)]
     if kind == "quote summary":
         return [f"Summarize this passage in one sentence, then quote it in full:\n\n{p}" for p in passages]
     return [f"Write a short story that begins: {opening}" for opening in OPENINGS]
