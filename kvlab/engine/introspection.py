@@ -122,7 +122,7 @@ def cache_state(engine: "Engine") -> dict[str, Any]:
 
 def _group_tokens(engine: "Engine", group: Any) -> int:
     """Token rows a KV-cache group's blocks hold: the running sequences' computed rows in the blocks they
-    still hold (a shared block once), plus every cached block nobody holds (full)."""
+    still hold (a shared block once), plus every cached block nobody holds (full, or a tail's rows)."""
     size = group.pool.block_size
     rows: dict[int, int] = {}
     for seq in engine.scheduler.running:
@@ -130,4 +130,4 @@ def _group_tokens(engine: "Engine", group: Any) -> int:
             if block >= 0:
                 rows[block] = max(rows.get(block, 0), min(size, max(seq.num_computed_tokens - index * size, 0)))
     cached = group.prefix_cache.evictable_blocks() if group.prefix_cache.enabled else set()
-    return sum(rows.values()) + size * len(cached - set(rows))
+    return sum(rows.values()) + sum(group.prefix_cache.cached_rows(b) for b in cached - set(rows))

@@ -158,6 +158,11 @@ class PrefixCache:
             self._tail_info[block] = (parent, tokens)
             return True
 
+    def cached_rows(self, block: int) -> int:
+        """Rows of a cached block that hold K/V: a tail's tokens, else the whole block."""
+        tail = self._tail_info.get(block)
+        return len(tail[1]) if tail is not None else self.pool.block_size
+
     def lookup(self, key: bytes) -> int | None:
         return self._cached.get(key)
 
