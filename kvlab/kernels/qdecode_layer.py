@@ -3,8 +3,8 @@
 The quantized twin of kernels/decode_layer.py (same two calls per layer, made by model/ops.py's
 QuantizedOps for up to MAX_KERNEL_ROWS rows; attention in between is attention.py's, unchanged):
 
-  * `qkv_rope`: RMSNorm, the q/k/v product from the tiles (+ bias), RoPE on the q and k heads, each row
-    at its own position;
+  * `qkv_rope`: RMSNorm, the q/k/v product from the tiles (+ bias), the per-head q/k norms where the
+    family has them, RoPE on the q and k heads, each row at its own position;
   * `output_mlp`: the output product and residual, RMSNorm, gate/up, SwiGLU, down and residual.
 
 A matrix is passed as the tuple `kernel_args` makes: (codes, scales, offsets, tail codes, tail scales,
@@ -25,7 +25,7 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import overload
 
-from kvlab.kernels.decode_layer import bias_rope_rows
+from kvlab.kernels.decode_layer import bias_norm_rope_rows
 from kvlab.kernels.gemv import rms_norm_rows, silu_times_up
 from kvlab.kernels.qgemv import dot_product, group_sums_into, product_tile, tail_rows
 
@@ -63,14 +63,15 @@ def _product_impl(x, w, out):
 
 
 @njit(fastmath={"reassoc", "contract"}, cache=True)
-def qkv_rope(x, norm, eps, w_qkv, bias, cos, sin, rotated_heads, out, zero):
-    """out [B, (H_q + 2 H_kv) d] = rms_norm(x) @ w_qkv.T + bias, then RoPE on the first `rotated_heads`
-    heads: cos[b], sin[b] [2, d/2] row b's rotation, sin sign-folded ([-sin, sin]) as the model's
-    `rotate_halves`. An empty `bias` means none."""
+def qkv_rope(x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, out, zero):
+    """out [B, (H_q + 2 H_kv) d] = rms_norm(x) @ w_qkv.T + bias, then the per-head q/k norms (q_norm,
+    k_norm [d], empty for none), then RoPE on the first `rotated_heads` heads: cos[b], sin[b] [2, d/2]
+    row b's rotation, sin sign-folded ([-sin, sin]) as the model's `rotate_halves`. An empty `bias`
+    means none."""
     xn = np.empty_like(x)
     rms_norm_rows(x, norm, eps, xn, zero)
     _product(xn, w_qkv, out)
-    bias_rope_rows(out, bias, cos, sin, rotated_heads)
+    bias_norm_rope_rows(out, bias, q_norm, k_norm, q_heads, eps, zero, cos, sin, rotated_heads)
 
 
 @njit(fastmath={"reassoc", "contract"}, cache=True)

@@ -78,9 +78,11 @@ class Layer:
     mlp_out_norm: np.ndarray | None = None
 
     @property
-    def plain(self) -> bool:
-        """A Llama block (the fused kernels' shape): no q/k norm and no norms after attention or MLP."""
-        return self.q_norm is None and self.attn_out_norm is None
+    def plain_mlp(self) -> bool:
+        """The half after attention is Llama's (the fused `output_mlp`'s shape): no norm of the attention
+        output or of the MLP output before their residuals (Gemma has both). The half before attention
+        fuses whatever the family: the q/k norms are in the fused `qkv_rope` (model/ops.py)."""
+        return self.attn_out_norm is None and self.mlp_out_norm is None
 
 
 def validate_ids(ids: Any, vocab_size: int) -> np.ndarray:

@@ -14,6 +14,12 @@ An Ops class is one way of doing that math, chosen once when the model is built:
     bfloat16/float16 weights in place; more rows (a prefill) take the same products as BLAS calls on
     widened weights (kernels/gemv.py), where the work is compute rather than memory.
 
+The two halves of a block fuse apart. `qkv_rope` fuses for every family: the kernels take the per-head
+q/k norms (Qwen3, Gemma 3) between the product and RoPE, and partial rotary (Phi-3) and NoPE (SmolLM3)
+are only other RoPE tables (model/rope.py). `output_mlp` fuses where the MLP half is Llama's
+(model/llama.Layer.plain_mlp and SwiGLU: Llama, Qwen2/3, Mistral, Phi-3, SmolLM3); Gemma's norms after
+attention and MLP and its GeGLU take that half step by step (`stepwise_output_mlp`).
+
 A new weight format or a torch backend is one more class with these methods. `bind` turns the model's
 fused weights (model/llama.Layer) into whatever the class reads per layer (the compiled kernels take
 half-precision matrices as raw bits), once per set of weights, so the loop does no per-step conversion.
@@ -51,8 +57,8 @@ class Ops(Protocol):
 class _Shapes:
     """Head counts, the RMSNorm epsilon and the MLP's activation every Ops class needs, and the block
     step by step over the class's own products (`_linear`, `norm_linear`): the reference's way, and
-    the compiled classes' way for a layer the fused kernels do not cover (q/k norms, Gemma's norms after
-    attention and MLP, GeGLU: model/llama.Layer.plain)."""
+    the compiled classes' way for a half the fused kernels do not cover (Gemma's norms after attention
+    and MLP, GeGLU: model/llama.Layer.plain_mlp; a quantized layer mixing in float matrices)."""
 
     def __init__(self, config: ModelConfig) -> None:
         self.heads, self.kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
@@ -126,15 +132,19 @@ class NumpyOps(_Shapes):
 
 class KernelLayer(NamedTuple):
     """A layer as the compiled kernels read it: the model's matrices (for the BLAS path) and their kernel
-    views (half precision as raw bits, kernels/bits.py); an absent bias as None and as an empty array."""
+    views (half precision as raw bits, kernels/bits.py); an absent bias or q/k norm as None and as an
+    empty array; `fused_mlp`: whether `output_mlp` takes the fused kernel (else step by step)."""
 
     layer: Any
     qkv: np.ndarray
     b_qkv: np.ndarray
+    q_norm: np.ndarray
+    k_norm: np.ndarray
     o: np.ndarray
     b_o: np.ndarray
     gate_up: np.ndarray
     down: np.ndarray
+    fused_mlp: bool
 
 
 class CompiledOps(_Shapes):
@@ -153,13 +163,28 @@ class CompiledOps(_Shapes):
         self._eps, self._zero, self._half = dtype.type(self.eps), dtype.type(0), self.head_dim // 2
 
     def bind(self, layers: Sequence[Any]) -> list[Any]:
-        """Kernel views of each plain layer; a layer with the families' extra steps (model/llama.Layer.plain)
-        stays a Layer and goes step by step: compiled products, NumPy norms and activation between them."""
-        view, empty = self._gemv.as_kernel_array, self._empty
-        return [KernelLayer(layer, view(layer.w_qkv), empty if layer.b_qkv is None else layer.b_qkv,
-                            view(layer.w_o), empty if layer.b_o is None else layer.b_o,
-                            view(layer.w_gate_up), view(layer.w_down))
-                if layer.plain and self.fusable_mlp else layer for layer in layers]
+        """Kernel views of each layer: its attention half always fuses (q/k norms included); its MLP half
+        fuses where it is Llama's (model/llama.Layer.plain_mlp, SwiGLU), else it goes step by step:
+        compiled products, NumPy norms and activation between them."""
+        view, vector = self._gemv.as_kernel_array, self._vector
+        return [KernelLayer(layer, view(layer.w_qkv), vector(layer.b_qkv), vector(layer.q_norm),
+                            vector(layer.k_norm), view(layer.w_o), vector(layer.b_o), view(layer.w_gate_up),
+                            view(layer.w_down), layer.plain_mlp and self.fusable_mlp) for layer in layers]
+
+    def _vector(self, vector: np.ndarray | None) -> np.ndarray:
+        """A bias or norm as the kernels take it: an absent one as an empty array."""
+        return self._empty if vector is None else vector
+
+    def _fused_qkv_rope(self, kernel: Any, x: np.ndarray, layer: Any, weights: Any,
+                        rope: Rope) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`kernel.qkv_rope` (float or quantized) over a few rows: norm, product, bias, q/k norms and RoPE
+        in one call."""
+        rows, cos, sin = x.shape[0], *rope
+        qkv = np.empty((rows, self.all_heads, self.head_dim), dtype=x.dtype)
+        kernel.qkv_rope(x, layer.layer.input_norm, self._eps, weights, layer.b_qkv, layer.q_norm, layer.k_norm,
+                        self.heads, cos.reshape(rows, 2, self._half), sin.reshape(rows, 2, self._half),
+                        self.qk_heads, qkv.reshape(rows, -1), self._zero)
+        return qkv[:, :self.heads], qkv[:, self.heads:self.qk_heads], qkv[:, self.qk_heads:]
 
     def _linear(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
         return self._gemv.linear(x, w, bias)
@@ -170,25 +195,15 @@ class CompiledOps(_Shapes):
 
     def qkv_rope(self, x: np.ndarray, layer: KernelLayer,
                  rope: Rope) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        if not isinstance(layer, KernelLayer):
-            return self.stepwise_qkv_rope(x, layer, rope)
-        rows, cos, sin = x.shape[0], *rope
-        if rows <= self.max_fused_rows:  # norm, product, bias and RoPE in one call
-            qkv = np.empty((rows, self.all_heads, self.head_dim), dtype=x.dtype)
-            self._fused.qkv_rope(x, layer.layer.input_norm, self._eps, layer.qkv, layer.b_qkv,
-                                 cos.reshape(rows, 2, self._half), sin.reshape(rows, 2, self._half),
-                                 self.qk_heads, qkv.reshape(rows, -1), self._zero)
-            return qkv[:, :self.heads], qkv[:, self.heads:self.qk_heads], qkv[:, self.qk_heads:]
-        weights = layer.layer
-        qkv = self.norm_linear(x, weights.input_norm, weights.w_qkv, weights.b_qkv)
-        qkv = qkv.reshape(rows, self.all_heads, self.head_dim)
-        return self.split(qkv, rotate_halves(qkv[:, :self.qk_heads], cos[:, None], sin[:, None]))
+        if x.shape[0] <= self.max_fused_rows:
+            return self._fused_qkv_rope(self._fused, x, layer, layer.qkv, rope)
+        return self.stepwise_qkv_rope(x, layer.layer, rope)  # BLAS products on widened weights
 
     def output_mlp(self, x: np.ndarray, o: np.ndarray, layer: KernelLayer) -> None:
-        if not isinstance(layer, KernelLayer):
-            self.stepwise_output_mlp(x, o, layer)
-            return
         weights = layer.layer
+        if not layer.fused_mlp:
+            self.stepwise_output_mlp(x, o, weights)
+            return
         if x.shape[0] <= self.max_fused_rows:  # the rest of the block in one call
             self._fused.output_mlp(x, o, layer.o, layer.b_o, weights.post_norm, self._eps, layer.gate_up,
                                    layer.down, self._zero)
@@ -199,26 +214,31 @@ class CompiledOps(_Shapes):
 
 
 class QuantizedLayer(NamedTuple):
-    """A layer whose four matrices are QuantizedMatrix, as the fused kernels read them (kernels/qgemv.py's
-    `kernel_args` tuples); an absent bias as an empty array."""
+    """A layer as the fused kernels read its QuantizedMatrix weights (kernels/qgemv.py's `kernel_args`
+    tuples); an absent bias or q/k norm as an empty array. `qkv` is None where w_qkv is not one
+    QuantizedMatrix (that half goes step by step), `o`, `gate_up` and `down` None where the MLP half
+    does not fuse."""
 
     layer: Any
-    qkv: tuple
+    qkv: tuple | None
     b_qkv: np.ndarray
-    o: tuple
+    q_norm: np.ndarray
+    k_norm: np.ndarray
+    o: tuple | None
     b_o: np.ndarray
-    gate_up: tuple
-    down: tuple
+    gate_up: tuple | None
+    down: tuple | None
 
 
 class QuantizedOps(CompiledOps):
     """Compiled products over quantized weights (GGUF blocks in the kernels' tiled layout, model/quantized.py).
 
-    A few rows (decode) of a layer whose four matrices are all quantized take the fused block kernels of
-    kernels/qdecode_layer.py, two calls per layer like CompiledOps; a layer that mixes in half-precision
-    matrices (an F16 tensor beside Q8_0 ones) or matrices of different types stacked by rows (RowStack)
-    takes the products one by one (kernels/qgemv.py), with RMSNorm compiled and RoPE, SwiGLU in NumPy
-    between them. More rows (prefill): bands of dequantized rows and BLAS (QuantizedMatrix.matmul_t).
+    A few rows (decode) take the fused block kernels of kernels/qdecode_layer.py, two calls per layer like
+    CompiledOps, each half where its matrices are quantized (q/k/v: one QuantizedMatrix; o, gate/up,
+    down all quantized and the MLP Llama's); a half that mixes in half-precision matrices (an F16 tensor
+    beside Q8_0 ones) or matrices of different types stacked by rows (RowStack) takes the products one
+    by one (kernels/qgemv.py), with RMSNorm compiled and RoPE, SwiGLU in NumPy between them. More rows
+    (prefill): bands of dequantized rows and BLAS (QuantizedMatrix.matmul_t).
     `activations="q8"`: the same calls over the integer dot-product layout (kernels/qdot.py), and every
     other quantized product's input rounded alike (model/act_quant.py)."""
 
@@ -235,20 +255,24 @@ class QuantizedOps(CompiledOps):
     def bind(self, layers: Sequence[Any]) -> list[Any]:
         from kvlab.model.quantized import QuantizedMatrix
 
-        def fusable(layer: Any) -> bool:
-            return layer.plain and self.fusable_mlp and all(
-                isinstance(w, QuantizedMatrix) for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down))
-
-        def args(w: Any) -> tuple:
+        def args(w: Any) -> tuple | None:
+            if not isinstance(w, QuantizedMatrix):
+                return None
             if self.activations == "q8":
                 return self._dot_kernel_args(w.dot_layout, w.tail)
             return self._kernel_args(w.tiles, w.tail)
 
-        empty = self._empty
-        return [QuantizedLayer(layer, args(layer.w_qkv), empty if layer.b_qkv is None else layer.b_qkv,
-                               args(layer.w_o), empty if layer.b_o is None else layer.b_o,
-                               args(layer.w_gate_up), args(layer.w_down)) if fusable(layer) else layer
-                for layer in layers]
+        def bound(layer: Any) -> Any:
+            mlp = [args(w) for w in (layer.w_o, layer.w_gate_up, layer.w_down)]
+            if not (layer.plain_mlp and self.fusable_mlp) or None in mlp:
+                mlp = [None, None, None]
+            qkv, vector = args(layer.w_qkv), self._vector
+            if qkv is None and mlp[0] is None:
+                return layer
+            return QuantizedLayer(layer, qkv, vector(layer.b_qkv), vector(layer.q_norm), vector(layer.k_norm),
+                                  mlp[0], vector(layer.b_o), mlp[1], mlp[2])
+
+        return [bound(layer) for layer in layers]
 
     def _linear(self, x: np.ndarray, w: Any, bias: np.ndarray | None = None) -> np.ndarray:
         out = w.matmul_t(x, True, self.activations) if isinstance(w, QuantizedLinear) else self._gemv.linear(x, w)
@@ -261,17 +285,12 @@ class QuantizedOps(CompiledOps):
         return self._linear(self._gemv.rms_norm(x, norm, self.eps), w, bias)
 
     def qkv_rope(self, x: np.ndarray, layer: Any, rope: Rope) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        rows, cos, sin = x.shape[0], *rope
-        if isinstance(layer, QuantizedLayer) and rows <= self.max_fused_rows:
-            qkv = np.empty((rows, self.all_heads, self.head_dim), dtype=x.dtype)
-            self._qfused.qkv_rope(x, layer.layer.input_norm, self._eps, layer.qkv, layer.b_qkv,
-                                  cos.reshape(rows, 2, self._half), sin.reshape(rows, 2, self._half),
-                                  self.qk_heads, qkv.reshape(rows, -1), self._zero)
-            return qkv[:, :self.heads], qkv[:, self.heads:self.qk_heads], qkv[:, self.qk_heads:]
+        if isinstance(layer, QuantizedLayer) and layer.qkv is not None and x.shape[0] <= self.max_fused_rows:
+            return self._fused_qkv_rope(self._qfused, x, layer, layer.qkv, rope)
         return self.stepwise_qkv_rope(x, getattr(layer, "layer", layer), rope)
 
     def output_mlp(self, x: np.ndarray, o: np.ndarray, layer: Any) -> None:
-        if isinstance(layer, QuantizedLayer) and x.shape[0] <= self.max_fused_rows:
+        if isinstance(layer, QuantizedLayer) and layer.o is not None and x.shape[0] <= self.max_fused_rows:
             self._qfused.output_mlp(x, np.ascontiguousarray(o), layer.o, layer.b_o, layer.layer.post_norm,
                                     self._eps, layer.gate_up, layer.down, self._zero)
             return
