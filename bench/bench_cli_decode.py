@@ -34,8 +34,8 @@ def run(tree: str, args: argparse.Namespace, prompt: str) -> tuple[float, float]
     env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
     command = [sys.executable, "-m", "kvlab.cli", "generate", "-n", str(args.n), "--temperature", "0",
                "--ignore-eos", "--no-display-prompt", prompt]
-    if args.model:
-        command[4:4] = ["--model", args.model]
+    if args.model:  # absolute: each tree runs in its own folder
+        command[4:4] = ["--model", os.path.abspath(args.model)]
     if args.kv_dtype:
         command[4:4] = ["--kv-cache-dtype", args.kv_dtype]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=tree)
