@@ -24,7 +24,7 @@ import statistics
 import subprocess
 import sys
 
-LINE = re.compile(r"prefill ([\d.]+) ms .*decode (\d+) tokens, ([\d.]+) ms/token")
+LINE = re.compile(r"prefill ([\d.]+) ms .*decode (\d+) tokens, [\d.]+ ms/token \(([\d.]+) tok/s\)")
 PROMPT = ("The quick brown fox jumps over the lazy dog while the five boxing wizards jump quickly; "
           "pack my box with five dozen liquor jugs. ")
 
@@ -42,7 +42,7 @@ def run(tree: str, args: argparse.Namespace, prompt: str) -> tuple[float, float]
     found = LINE.search(done.stderr)
     if done.returncode != 0 or found is None or int(found[2]) != args.n:
         raise SystemExit(f"{tree}: kvlab generate failed or stopped early:\n{done.stderr[-2000:]}")
-    return float(found[1]), float(found[3])
+    return float(found[1]), 1e3 / float(found[3])  # from tok/s: the line's ms/token has one decimal
 
 
 def main() -> None:
