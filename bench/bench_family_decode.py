@@ -32,7 +32,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -88,6 +87,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama_cpp_peer  # noqa: E402 (bench/llama_cpp_peer.py)
 from bench_gguf_peer import peer_env  # noqa: E402 (llama.cpp without kvlab's OpenMP wait policy)
+from kvlab_timing import decode_step_times  # noqa: E402 (bench/kvlab_timing.py)
 from kvlab.progress import KernelCompiles, compiling_kernels  # noqa: E402
 
 
@@ -107,16 +107,8 @@ def filled_cache(model, context: int, steps: int, seed: int = 0):
 def decode_seconds(model, context: int, steps: int) -> float:
     """Median seconds of one greedy decode step after `context` cached tokens (compiles taken out)."""
     cache = filled_cache(model, context, steps)
-    token = np.array([[300]])
-    times = []
     with KernelCompiles() as compiles:
-        for _ in range(steps):
-            start = time.perf_counter()
-            logits = model.forward(token, cache=cache, logits_to_keep=1).logits
-            token = np.argmax(logits[:, -1], axis=-1)[:, None]
-            end = time.perf_counter()
-            times.append(end - start - compiles.seconds_between(start, end))
-    return statistics.median(times)
+        return statistics.median(decode_step_times(model, cache, np.array([[300]]), steps, compiles))
 
 
 def fused_layers(model) -> int:

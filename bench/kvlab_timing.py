@@ -28,15 +28,20 @@ def kvlab_run(model, prompt: np.ndarray, steps: int, kv_dtype: str | None = None
         logits = model.forward(prompt, cache=cache, logits_to_keep=1).logits
         end = time.perf_counter()
         prefill = end - start - compiles.seconds_between(start, end)
-        token = np.argmax(logits[:, -1], axis=-1)[:, None]
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            logits = model.forward(token, cache=cache, logits_to_keep=1).logits
-            token = np.argmax(logits[:, -1], axis=-1)[:, None]
-            end = time.perf_counter()
-            times.append(end - start - compiles.seconds_between(start, end))
+        times = decode_step_times(model, cache, np.argmax(logits[:, -1], axis=-1)[:, None], steps, compiles)
     return prefill, statistics.median(times)
+
+
+def decode_step_times(model, cache, token: np.ndarray, steps: int, compiles: KernelCompiles) -> list[float]:
+    """Seconds of each of `steps` greedy decode steps from `token` [B, 1] on `cache`, compiles taken out."""
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        logits = model.forward(token, cache=cache, logits_to_keep=1).logits
+        token = np.argmax(logits[:, -1], axis=-1)[:, None]
+        end = time.perf_counter()
+        times.append(end - start - compiles.seconds_between(start, end))
+    return times
 
 
 def step_bytes(model, context: int, batch: int = 1) -> int:
