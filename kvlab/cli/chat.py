@@ -15,8 +15,8 @@ import time
 from typing import Any, Iterator, TextIO
 
 from kvlab.cli.checks import check_sampling_flags, draw_seed, drawn_seed_note
-from kvlab.cli.engine_stream import (add_kv_tier_flag, add_speculative_flag, engine_for_one, spec_counts,
-                                     speculative_config, stream_request, warm_up)
+from kvlab.cli.engine_stream import (add_kv_tier_flag, add_speculative_flag, engine_for_one, row_bytes,
+                                     spec_counts, speculative_config, stream_request, warm_up)
 from kvlab.cli.fmt import human_bytes, prompt_tokens_text
 from kvlab.cli.model_flags import add_activations_flag
 from kvlab.cli.sampling_flags import (add_grammar_flags, add_sampling_flags, compiled_grammar, grammar_spec,
@@ -197,7 +197,7 @@ class Chat:
         self.stop = stop_ids(model, tokenizer)
         self.engine = engine_for_one(model, tokenizer, spec, args.kv_dtype, model.config.max_position_embeddings,
                                      self.stop, kv_tiers=getattr(args, "kv_tier", None))
-        self.warm_up_seconds = warm_up(self.engine, 0)
+        warm_up(self.engine, 0)  # says on stderr if kernels compile
         self.conversation = self._fresh()
         self.grammar = compiled_grammar(args, tokenizer, model.config.vocab_size, self.stop)  # every reply
         self.replies = 0
@@ -274,8 +274,7 @@ class Chat:
         except KVLabError as exc:
             self.note(f"error: {exc}")
             return
-        pool = self.engine.block_pool
-        self.note(f"(saved {rows} tokens, {human_bytes(rows * pool.bytes_per_block // pool.block_size)} of K/V, "
+        self.note(f"(saved {rows} tokens, {human_bytes(row_bytes(self.engine, rows))} of K/V, "
                   f"to {path})")
 
     def load(self, path: str) -> None:
@@ -346,10 +345,9 @@ class Chat:
         decode = (times[-1] - times[0] - compiles.seconds_between(times[0], times[-1])) if len(times) > 1 else 0.0
         speed = f"{(len(new) - 1) / decode:.1f} tok/s" if decode > 0 else "-"
         tokens = len(self.history_ids)
-        pool = self.engine.block_pool
         drafted = f" · {(spec_counts(self.engine) - before).text()}" if self.spec is not None else ""
         self.note(f"[{prompt_tokens_text(len(ids), reused)} · cache {tokens} tok "
-                  f"{human_bytes(tokens * pool.bytes_per_block // pool.block_size)} · prefill "
+                  f"{human_bytes(row_bytes(self.engine, tokens))} · prefill "
                   f"{prefill * 1e3:.1f} ms · decode {speed}{drafted}"
                   + (f" · kernels compiled {compiles.seconds:.1f} s, not counted" if compiles.count else "") + "]")
         return True

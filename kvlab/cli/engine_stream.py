@@ -136,6 +136,11 @@ def engine_for_one(model: Any, tokenizer: Any, spec: SpeculativeConfig | None, k
     return engine
 
 
+def row_bytes(engine: Engine, rows: int) -> int:
+    """K/V bytes of `rows` cached rows in the engine's pool (the stats lines' and /save's figure)."""
+    return rows * engine.block_pool.bytes_per_block // engine.block_pool.block_size
+
+
 def stop_words(finish_reason: str | None, num_new: int, wanted: int | None) -> str:
     """The engine's finish reason in the stats line's words (StopReason values); `wanted`: -n (None: -1)."""
     if finish_reason == "stop":
@@ -206,8 +211,7 @@ def engine_stats_line(stream: Any, engine: Engine, prompt_tokens: int, computed:
     """generate's stats line, the cache being the engine's rows for this sequence; with speculation,
     `drafted D, accepted A (R %)` after the decode figures."""
     tokens = prompt_tokens + max(len(stream.tokens) - 1, 0)  # the last token's K/V is never computed
-    pool = engine.block_pool
-    stats = stream.stats(prompt_tokens, computed, tokens, tokens * pool.bytes_per_block // pool.block_size,
+    stats = stream.stats(prompt_tokens, computed, tokens, row_bytes(engine, tokens),
                          str(getattr(engine.kv_cache_dtype, "name", engine.kv_cache_dtype)), reason, compiles)
     stats.compile_seconds += warm_up_seconds
     if counts is None:
