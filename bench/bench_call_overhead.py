@@ -63,7 +63,7 @@ def main() -> None:
 
     def decode(length: int):
         ends = np.full(1, length, np.int64)
-        return lambda: kernel(q, kc, ks, kz, vc, vs, vz, kind, group, tables, starts, ends, attention.SPAN, out,
+        return lambda: kernel(q, kc, ks, kz, vc, vs, vz, kind, group, tables, starts, ends, attention.SPAN, 2, out,
                               np.float32(0))
 
     calls = {"empty njit, 15 args": lambda: _empty(q, kc, ks, kz, vc, vs, vz, kind, group, tables, starts,

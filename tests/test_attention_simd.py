@@ -19,12 +19,12 @@ if AVAILABLE:
     from kvlab.kernels.attention_simd import dequantize_int4, dequantize_int8, simd_scores, simd_values, widen_run
 
     @njit
-    def scores_call(q, first, out, rows, b, h, r0, n):
-        simd_scores(q, first, out, rows, b, h, r0, n, attention._tile_scores, q.dtype.type(0))
+    def scores_call(q, first, out, col, rows, b, h, r0, n):
+        simd_scores(q, first, out, col, rows, b, h, r0, n, attention._tile_scores, q.dtype.type(0))
 
     @njit
-    def values_call(weights, rows, b, h, r0, n, acc):
-        simd_values(weights, rows, b, h, r0, n, acc, attention._tile_values)
+    def values_call(weights, col, rows, b, h, r0, n, acc):
+        simd_values(weights, col, rows, b, h, r0, n, acc, attention._tile_values)
 
     @njit
     def dequantize_call(codes, scales, zeros, group, out):
@@ -45,7 +45,9 @@ if AVAILABLE:
        seed=st.integers(0, 2**16))
 def test_tile_scores_and_values_equal_numpy(head_dim, heads, n, kv_heads, dtype, data, seed):
     """Any tile length 1..32 (the last block of eight keys part-filled: its extra lanes repeat row n-1
-    and are never read past the tile), any row offset in a [B, H, R, d] store, any head count."""
+    and are never read past the tile), any row offset in a [B, H, R, d] store, any head count, any
+    column of the scores scratch; and a tile cut in two anywhere gives the same bits (what lets a
+    span's result ignore block boundaries, kernels/attention.py)."""
     rng = np.random.default_rng(seed)
     rows_total = n + data.draw(st.integers(0, 40), label="rows before the tile")
     r0 = rows_total - n
@@ -55,17 +57,29 @@ def test_tile_scores_and_values_equal_numpy(head_dim, heads, n, kv_heads, dtype,
     q = rng.standard_normal((first + heads, head_dim)).astype(dtype)
     tile = rows[b, h, r0:r0 + n]
 
-    out = np.full((heads, 32), np.nan, dtype=dtype)
-    scores_call(q, first, out, rows, b, h, r0, n)
+    col = data.draw(st.integers(0, 9), label="column")
+    out = np.full((heads, col + 40), np.nan, dtype=dtype)
+    scores_call(q, first, out, col, rows, b, h, r0, n)
     want = q[first:] @ tile.T
     tol = 1e-5 if dtype == "float32" else 1e-12
-    assert np.abs(out[:, :n] - want).max() <= tol * head_dim
+    assert np.abs(out[:, col:col + n] - want).max() <= tol * head_dim
+    cut = data.draw(st.integers(1, n), label="cut")  # the first piece's length (n: one piece)
+    pieces = np.full_like(out, np.nan)
+    scores_call(q, first, pieces, col, rows, b, h, r0, cut)
+    if cut < n:
+        scores_call(q, first, pieces, col + cut, rows, b, h, r0 + cut, n - cut)
+    assert np.array_equal(pieces[:, col:col + n], out[:, col:col + n])
 
-    weights = rng.random((heads, 32)).astype(dtype)
-    acc = rng.standard_normal((heads, head_dim)).astype(dtype)
-    want = acc + weights[:, :n] @ tile
-    values_call(weights, rows, b, h, r0, n, acc)
+    weights = rng.random((heads, col + 32)).astype(dtype)
+    start = rng.standard_normal((heads, head_dim)).astype(dtype)
+    acc = start.copy()
+    want = acc + weights[:, col:col + n] @ tile
+    values_call(weights, col, rows, b, h, r0, n, acc)
     assert np.abs(acc - want).max() <= tol * n
+    split = start.copy()
+    values_call(weights, col, rows, b, h, r0, cut, split)
+    values_call(weights, col + cut, rows, b, h, r0 + cut, n - cut, split)
+    assert np.array_equal(split, acc)
 
 
 @settings(max_examples=60, deadline=None)
@@ -99,8 +113,8 @@ def test_the_float32_path_is_the_vector_code():
     features = binding.get_host_cpu_features()
     if not (features.get("avx2") and features.get("fma")):
         pytest.skip("the CPU has no AVX2 + FMA")
-    args = (np.zeros((3, 64), np.float32), 0, np.zeros((3, 32), np.float32), np.zeros((1, 1, 32, 64), np.float32),
-            0, 0, 0, 32)
+    args = (np.zeros((3, 64), np.float32), 0, np.zeros((3, 32), np.float32), 0,
+            np.zeros((1, 1, 32, 64), np.float32), 0, 0, 0, 32)
     scores_call(*args)
     signature = next(sig for sig in scores_call.signatures if str(sig[0].dtype) == "float32")
     lines = scores_call.inspect_asm(signature).splitlines()

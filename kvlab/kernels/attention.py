@@ -7,20 +7,25 @@ quantized cache. No copy of the cache is made; a tile of TILE rows at a time is 
 dequantized into a scratch tile of the compute dtype that stays in L1, shared by the G query heads.
 
 GQA stays compact (ARCHITECTURE.md invariant 3): the G query heads of a KV head are one work item, so each key and
-value row is read once for the whole group. A work item walks its keys a TILE at a time: the G x TILE
-scores of a tile (one pass over its keys), an online-softmax update (rescale what was summed so far to
-the new running max, as flash attention does), then one pass over the tile's values. For float32 tiles
-of head dim 32/64/128 the two products are explicit vector code (attention_simd.py: eight keys' scores
-in one register, the output row held in registers across the tile); other dims and float64 take the
-numba loops below (`_tile_scores`, `_tile_values`), which are the same sums in another order.
+value row is read once for the whole group. A work item takes its keys a span (SPAN keys) at a time, in
+two passes: the G scores of every key in the span (a TILE of rows read or widened at a time), the
+softmax weights over the whole span, then one pass over the span's values. For float32 tiles of head dim
+32/64/128 the two products are explicit vector code (attention_simd.py: eight keys' scores in one
+register, the output row held in registers across the tile); other dims and float64 take the numba
+loops below (`_tile_scores`, `_tile_values`), which are the same sums in another order. No step depends
+on where a tile or a block ends (each score is its own dot product, values are added key by key, the
+softmax sees the whole span), so a query row gets the same bits from a paged pool of any block size as
+from a contiguous cache, in a decode step or in a prefill that runs through this kernel (the batch-
+invariant attention of `activations="q8"`, model/attention.py).
 
 Both layouts are one kernel. The paged cache is `k_blocks[num_blocks, H_kv, block_size, d]` with a
 `block_table` per sequence (key t of sequence s is row t % block_size of block block_table[s, t //
 block_size]); a contiguous cache [B, H_kv, capacity, d] is the same thing with one block per sequence.
 
-Work is split over (sequence, KV head, span of SPAN keys) so that both cores have work at batch 1 with few
-KV heads and a long context (split-K, as flash-decoding does): each span yields its row max, exp-sum and
-unnormalised value sum, and the spans are combined exactly, rescaled to the common max. The NumPy twins
+Spans start at each row's first visible key; each yields its row max, exp-sum and unnormalised value
+sum, and the spans are combined in order, rescaled to the common max. With few (row, KV head) items,
+each span is a work item of its own (split-K, as flash-decoding does) so that both cores have work at
+batch 1 with few KV heads and a long context; the arithmetic is the same either way. The NumPy twins
 below gather, widen (or dequantize) and softmax in the plain way; tests/test_kernels*.py hold each kernel
 to its twin.
 """
@@ -28,6 +33,8 @@ to its twin.
 from __future__ import annotations
 
 import math
+
+import numba
 import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
@@ -63,84 +70,52 @@ def _e5m2(code):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _online_update(scores, n, row_max, row_sum, acc, zero):
-    """Fold a tile's scores [G, >= n] into the running max and sum: scores become e^(s - new max), and
-    the value sum so far (acc [G, d]) is rescaled to the new max."""
+def _span_softmax(scores, n, row_max, row_sum, zero):
+    """A span's scores [G, >= n] become e^(s - max) in place, key by key; row_max, row_sum [G] get the
+    span's max and the sum of those weights. Over the whole span at once (not tile by tile, as an online
+    softmax would), so the result does not depend on where tiles or blocks cut the span."""
     for g in range(scores.shape[0]):
         seen = scores[g]
-        old = row_max[g]
-        top = old
-        for t in range(n):
+        top = seen[0]
+        for t in range(1, n):
             top = max(top, seen[t])
         total = zero
         for t in range(n):
             p = fast_exp(seen[t] - top)
             seen[t] = p
             total += p
-        alpha = fast_exp(old - top)  # 0 for the first tile (old = -inf)
-        row_sum[g] = row_sum[g] * alpha + total
         row_max[g] = top
-        if alpha != 1:
-            ag = acc[g]
-            for i in range(ag.shape[0]):
-                ag[i] *= alpha
+        row_sum[g] = total
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _tile_scores(q, first_head, scores, rows, b, h, r0, n, zero):
-    """scores[g, t] = q[first_head + g] . rows[b, h, r0 + t] for t < n. Four keys per pass over a query
-    row: four running sums in one vectorised loop, so q is loaded once for four keys."""
+def _tile_scores(q, first_head, scores, col, rows, b, h, r0, n, zero):
+    """scores[g, col + t] = q[first_head + g] . rows[b, h, r0 + t] for t < n: one key at a time, every
+    key's dot product the same loop wherever the key sits in its tile (the numba twin of simd_scores,
+    for float64 and head dims it has no vector code for)."""
     heads, d = scores.shape[0], q.shape[1]
-    t = 0
-    while t + 4 <= n:
-        k0, k1, k2, k3 = rows[b, h, r0 + t], rows[b, h, r0 + t + 1], rows[b, h, r0 + t + 2], rows[b, h, r0 + t + 3]
-        for g in range(heads):
-            qg = q[first_head + g]
-            s0 = s1 = s2 = s3 = zero
-            for i in range(d):
-                x = qg[i]
-                s0 += x * k0[i]
-                s1 += x * k1[i]
-                s2 += x * k2[i]
-                s3 += x * k3[i]
-            scores[g, t], scores[g, t + 1], scores[g, t + 2], scores[g, t + 3] = s0, s1, s2, s3
-        t += 4
-    while t < n:
+    for t in range(n):
         key = rows[b, h, r0 + t]
         for g in range(heads):
             qg = q[first_head + g]
             s = zero
             for i in range(d):
                 s += qg[i] * key[i]
-            scores[g, t] = s
-        t += 1
+            scores[g, col + t] = s
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _tile_values(scores, rows, b, h, r0, n, acc):
-    """acc[g] += sum_t scores[g, t] rows[b, h, r0 + t]. Eight value rows per pass over acc: one load and
-    store of each output element for eight keys' products."""
+def _tile_values(scores, col, rows, b, h, r0, n, acc):
+    """acc[g] += sum_t scores[g, col + t] rows[b, h, r0 + t], key by key in order (so tiles may cut the
+    keys anywhere and give the same bits), as simd_values."""
     heads, d = acc.shape
-    t = 0
-    while t + 8 <= n:
-        v0, v1, v2, v3 = rows[b, h, r0 + t], rows[b, h, r0 + t + 1], rows[b, h, r0 + t + 2], rows[b, h, r0 + t + 3]
-        v4, v5, v6, v7 = rows[b, h, r0 + t + 4], rows[b, h, r0 + t + 5], rows[b, h, r0 + t + 6], rows[b, h, r0 + t + 7]
-        for g in range(heads):
-            p = scores[g]
-            p0, p1, p2, p3, p4, p5, p6, p7 = p[t], p[t + 1], p[t + 2], p[t + 3], p[t + 4], p[t + 5], p[t + 6], p[t + 7]
-            ag = acc[g]
-            for i in range(d):
-                ag[i] += (p0 * v0[i] + p1 * v1[i] + p2 * v2[i] + p3 * v3[i]) + \
-                    (p4 * v4[i] + p5 * v5[i] + p6 * v6[i] + p7 * v7[i])
-        t += 8
-    while t < n:
+    for t in range(n):
         value = rows[b, h, r0 + t]
         for g in range(heads):
-            p = scores[g, t]
+            p = scores[g, col + t]
             ag = acc[g]
             for i in range(d):
                 ag[i] += p * value[i]
-        t += 1
 
 
 def _tile(stored, scale, zero_point, kind, group, b, h, r0, n, tile, zero):  # pragma: no cover - overloaded
@@ -197,26 +172,31 @@ def _tile_overload(stored, scale, zero_point, kind, group, b, h, r0, n, tile, ze
 @njit(fastmath=FASTMATH, cache=True)
 def _span(q, h, kc, ks, kz, vc, vs, vz, kind, group, table, lo, hi, zero, row_max, row_sum, acc, scores, k_tile,
           v_tile):
-    """Keys lo..hi-1 of one sequence (through its block `table`) against the G query heads of KV head h
-    (rows h*G.. of q [H_q, d], pre-scaled): this span's per-head max, exp-sum and unnormalised value sum
-    acc [G, d]. An empty span gives max -inf, sum 0, acc 0. Tiles never cross a block, so float rows of
-    the compute dtype are always read in place. `scores` [G, TILE] and the tiles [1, 1, TILE, d] are
-    scratch from the caller: an allocation inside a parallel loop serialised the threads (measured: 2
-    threads took as long as 1 at 4096 keys; with the scratch hoisted, 1.9x faster)."""
-    heads, block_size = scores.shape[0], kc.shape[2]
-    row_max[:] = -np.inf
-    row_sum[:] = zero
-    acc[:] = zero
-    block, row = lo // block_size, lo % block_size
-    first = lo
+    """Keys lo..hi-1 (at most SPAN) of one sequence (through its block `table`) against the G query heads
+    of KV head h (rows h*G.. of q [H_q, d], pre-scaled): this span's per-head max, exp-sum and
+    unnormalised value sum acc [G, d]. Two passes over the span: every key's score into `scores`
+    [G, >= SPAN + 8], the softmax weights over the span, then the values. Tiles (TILE rows, never
+    crossing a block) only decide where rows are read or widened: each score is its own dot product and
+    the values are added key by key, so a span gives the same bits whatever the block size (paged or
+    contiguous, a prefill or a decode; ARCHITECTURE.md invariant 13). `scores` and the tiles
+    [1, 1, TILE, d] are scratch from the caller: an allocation inside a parallel loop serialised the
+    threads (measured: 2 threads took as long as 1 at 4096 keys; with the scratch hoisted, 1.9x faster)."""
+    block_size = kc.shape[2]
+    block, row, first = lo // block_size, lo % block_size, lo
     while first < hi:
         n = min(TILE, hi - first, block_size - row)
-        b = table[block]
-        rows, tb, th, tr = _tile(kc, ks, kz, kind, group, b, h, row, n, k_tile, zero)
-        simd_scores(q, h * heads, scores, rows, tb, th, tr, n, _tile_scores, zero)
-        _online_update(scores, n, row_max, row_sum, acc, zero)
-        rows, tb, th, tr = _tile(vc, vs, vz, kind, group, b, h, row, n, v_tile, zero)
-        simd_values(scores, rows, tb, th, tr, n, acc, _tile_values)
+        rows, tb, th, tr = _tile(kc, ks, kz, kind, group, table[block], h, row, n, k_tile, zero)
+        simd_scores(q, h * scores.shape[0], scores, first - lo, rows, tb, th, tr, n, _tile_scores, zero)
+        first, row = first + n, row + n
+        if row == block_size:
+            block, row = block + 1, 0
+    _span_softmax(scores, hi - lo, row_max, row_sum, zero)
+    acc[:] = zero
+    block, row, first = lo // block_size, lo % block_size, lo
+    while first < hi:
+        n = min(TILE, hi - first, block_size - row)
+        rows, tb, th, tr = _tile(vc, vs, vz, kind, group, table[block], h, row, n, v_tile, zero)
+        simd_values(scores, first - lo, rows, tb, th, tr, n, acc, _tile_values)
         first, row = first + n, row + n
         if row == block_size:
             block, row = block + 1, 0
@@ -245,26 +225,58 @@ def _combine(row_max, row_sum, acc, zero, out):
             out[g, i] /= total
 
 
-def _decode_py(q, kc, ks, kz, vc, vs, vz, kind, group, block_tables, starts, ends, span, out, zero):
+def _decode_py(q, kc, ks, kz, vc, vs, vz, kind, group, block_tables, starts, ends, span, threads, out, zero):
+    """Query row s (of q [S, H_q, d], pre-scaled) attends to keys starts[s]..ends[s]-1 through block_tables[s].
+
+    Each row's keys are cut into spans of `span` from starts[s]; each span gives its max, exp-sum and value
+    sum (_span) and the spans are combined in order (_combine). Either one work item per (row, KV head)
+    runs its spans one after another (many rows: a batch, a prefill), or, with fewer such items than
+    SPLIT_ITEMS, one item per span (split-K: a long context at batch 1 still feeds every thread). Both
+    do the same arithmetic, so a row's result never depends on the rows beside it or on the thread count.
+    Scratch is one set per thread (numba.get_thread_id < `threads`, numba.get_num_threads() passed in: asked
+    inside, it keeps numba from caching the kernel), not per item: a prefill has thousands of items."""
     seqs, kv_heads = q.shape[0], kc.shape[1]
     heads, d = q.shape[1] // kv_heads, q.shape[2]
     spans = 1
     for s in range(seqs):
         spans = max(spans, (ends[s] - starts[s] + span - 1) // span)
+    scores = np.empty((threads, heads, span + 8), dtype=q.dtype)
+    tiles = np.empty((threads, 2, 1, 1, TILE, d), dtype=q.dtype)
+    if spans == 1 or seqs * kv_heads >= SPLIT_ITEMS:
+        row_max = np.empty((threads, spans, heads), dtype=q.dtype)
+        row_sum = np.empty_like(row_max)
+        acc = np.empty((threads, spans, heads, d), dtype=q.dtype)
+        for item in prange(seqs * kv_heads):
+            s, h = divmod(np.int64(item), kv_heads)  # prange indices are unsigned: keep ints signed
+            me = numba.get_thread_id()
+            count = (ends[s] - starts[s] + span - 1) // span
+            for c in range(count):
+                lo = starts[s] + c * span
+                _span(q[s], h, kc, ks, kz, vc, vs, vz, kind, group, block_tables[s], lo, min(lo + span, ends[s]),
+                      zero, row_max[me, c], row_sum[me, c], acc[me, c], scores[me], tiles[me, 0], tiles[me, 1])
+            _combine(row_max[me, :count], row_sum[me, :count], acc[me, :count], zero,
+                     out[s, h * heads:(h + 1) * heads])
+        return
     row_max = np.empty((seqs, kv_heads, spans, heads), dtype=q.dtype)
     row_sum = np.empty_like(row_max)
     acc = np.empty((seqs, kv_heads, spans, heads, d), dtype=q.dtype)
-    scores = np.empty((seqs, kv_heads, spans, heads, TILE), dtype=q.dtype)
-    tiles = np.empty((seqs, kv_heads, spans, 2, 1, 1, TILE, d), dtype=q.dtype)
     for item in prange(seqs * kv_heads * spans):
-        s, rest = divmod(np.int64(item), kv_heads * spans)  # prange indices are unsigned: keep ints signed
+        s, rest = divmod(np.int64(item), kv_heads * spans)
         h, c = divmod(rest, spans)
+        me = numba.get_thread_id()
         lo = starts[s] + c * span
+        if lo >= ends[s]:  # past this row's keys: an empty span weighs nothing in _combine
+            row_max[s, h, c] = -np.inf
+            row_sum[s, h, c] = zero
+            continue
         _span(q[s], h, kc, ks, kz, vc, vs, vz, kind, group, block_tables[s], lo, min(lo + span, ends[s]), zero,
-              row_max[s, h, c], row_sum[s, h, c], acc[s, h, c], scores[s, h, c], tiles[s, h, c, 0], tiles[s, h, c, 1])
+              row_max[s, h, c], row_sum[s, h, c], acc[s, h, c], scores[me], tiles[me, 0], tiles[me, 1])
     for item in prange(seqs * kv_heads):
         s, h = divmod(np.int64(item), kv_heads)
         _combine(row_max[s, h], row_sum[s, h], acc[s, h], zero, out[s, h * heads:(h + 1) * heads])
+
+
+SPLIT_ITEMS = 16  # fewer (row, KV head) items than this: one item per span instead, so both threads work
 
 
 # Below this many key rows (sequences x KV heads x keys) one thread does it all. Why so few: numba's worker
@@ -284,7 +296,7 @@ _NO_SCALES = np.zeros((1, 1, 1, 1), dtype=np.int16)  # what a float store passes
 def decode_kernel(rows: int):
     """The compiled kernel for a decode over `rows` key rows in all (sequences x KV heads x keys):
     `kernel(q, *kernel_operands(keys), *kernel_operands(values)[:3], kind, group, block_tables, starts,
-    ends, span, out, zero)`; see `kernel_call`."""
+    ends, span, numba.get_num_threads(), out, zero)`; see `_decode`."""
     return _decode_parallel if rows >= PARALLEL_MIN_ROWS else _decode_serial
 
 
@@ -305,8 +317,8 @@ def _decode(q, keys, values, block_tables, starts, ends, out, rows: int) -> None
     vc, vs, vz, value_kind, _ = kernel_operands(values)
     if value_kind != kind or kc.dtype != vc.dtype:
         raise ValueError("keys and values must be stored alike")
-    decode_kernel(rows)(q, kc, ks, kz, vc, vs, vz, kind, group, block_tables, starts, ends, SPAN, out,
-                        q.dtype.type(0))
+    decode_kernel(rows)(q, kc, ks, kz, vc, vs, vz, kind, group, block_tables, starts, ends, SPAN,
+                        numba.get_num_threads(), out, q.dtype.type(0))
 
 
 def _scaled(q: np.ndarray, scale: float | None) -> np.ndarray:

@@ -17,8 +17,8 @@ Here the loops are explicit vectors, as qsimd.py does for the quantized products
 
 The tile rows are the compute dtype, float32 (the caller widens or dequantizes other stores into a tile
 first, attention.py). Rows past n in the last eight-key block are read as row n-1 again (never past the
-tile), and their scores are written into the scratch row's unused tail: `scores` [G, W] needs W >= the
-tile rounded up to 8. The sums are the reference's up to summation order (fastmath's reassoc, as the
+tile), and their scores are written past the tile's columns: `scores` [G, W] needs W >= col + the tile
+rounded up to 8 (the next tile's scores overwrite them). The sums are the reference's up to summation order (fastmath's reassoc, as the
 numba loops).
 
 Filling that tile is vector code too: `widen_run` (float16/bfloat16 bits, exact), `dequantize_int8` and
@@ -77,16 +77,16 @@ def _row_base(builder, rows, b, h, r0, intp):
 
 def _make_scores(chunks: int):
     @intrinsic
-    def scores(typingctx, q, first_head, out, rows, b, h, r0, n):
-        """out[g, t] = q[first_head + g] . rows[b, h, r0 + t] for g < out.shape[0], t < n (then up to the
-        next multiple of 8: row n-1's score again)."""
+    def scores(typingctx, q, first_head, out, col, rows, b, h, r0, n):
+        """out[g, col + t] = q[first_head + g] . rows[b, h, r0 + t] for g < out.shape[0], t < n (then up to
+        the next multiple of 8: row n-1's score again)."""
         if not all(a.dtype == types.float32 for a in (q, out, rows)):
             return None
 
         def codegen(context, builder, signature, args):
             intp = context.get_value_type(types.intp)
-            qa, oa, ra = _arrays(context, builder, signature, args, (0, 2, 3))
-            first, bv, hv, r0v, nv = (_int(builder, args[i], intp) for i in (1, 4, 5, 6, 7))
+            qa, oa, ra = _arrays(context, builder, signature, args, (0, 2, 4))
+            first, colv, bv, hv, r0v, nv = (_int(builder, args[i], intp) for i in (1, 3, 5, 6, 7, 8))
             heads, width = cgutils.unpack_tuple(builder, oa.shape)
             d = cgutils.unpack_tuple(builder, qa.shape)[1]
             base, _ = _row_base(builder, ra, bv, hv, r0v, intp)
@@ -96,7 +96,7 @@ def _make_scores(chunks: int):
             with cgutils.for_range(builder, heads) as g_loop:
                 q_row = builder.gep(qa.data, [builder.mul(builder.add(first, g_loop.index), d)])
                 qv = [_load(builder, q_row, ir.Constant(intp, LANES * c), _V8F) for c in range(chunks)]
-                out_row = builder.gep(oa.data, [builder.mul(g_loop.index, width)])
+                out_row = builder.gep(oa.data, [builder.add(builder.mul(g_loop.index, width), colv)])
                 with cgutils.for_range(builder, blocks) as k_loop:
                     t0 = builder.mul(k_loop.index, ir.Constant(intp, LANES))
                     acc = []
@@ -112,29 +112,30 @@ def _make_scores(chunks: int):
                     builder.store(total, builder.bitcast(builder.gep(out_row, [t0]), _V8F.as_pointer()), align=1)
             return context.get_dummy_value()
 
-        return types.void(q, first_head, out, rows, b, h, r0, n), codegen
+        return types.void(q, first_head, out, col, rows, b, h, r0, n), codegen
 
     return scores
 
 
 def _make_values(chunks: int):
     @intrinsic
-    def values(typingctx, weights, rows, b, h, r0, n, acc):
-        """acc[g] += sum_{t < n} weights[g, t] rows[b, h, r0 + t] for g < acc.shape[0]."""
+    def values(typingctx, weights, col, rows, b, h, r0, n, acc):
+        """acc[g] += sum_{t < n} weights[g, col + t] rows[b, h, r0 + t] for g < acc.shape[0], key by key in
+        order (so splitting the keys into tiles anywhere gives the same bits)."""
         if not all(a.dtype == types.float32 for a in (weights, rows, acc)):
             return None
 
         def codegen(context, builder, signature, args):
             intp = context.get_value_type(types.intp)
-            wa, ra, aa = _arrays(context, builder, signature, args, (0, 1, 6))
-            bv, hv, r0v, nv = (_int(builder, args[i], intp) for i in (2, 3, 4, 5))
+            wa, ra, aa = _arrays(context, builder, signature, args, (0, 2, 7))
+            colv, bv, hv, r0v, nv = (_int(builder, args[i], intp) for i in (1, 3, 4, 5, 6))
             heads, d = cgutils.unpack_tuple(builder, aa.shape)
             width = cgutils.unpack_tuple(builder, wa.shape)[1]
             base, _ = _row_base(builder, ra, bv, hv, r0v, intp)
             rows0 = builder.gep(ra.data, [base])
             with cgutils.for_range(builder, heads) as g_loop:
                 acc_row = builder.gep(aa.data, [builder.mul(g_loop.index, d)])
-                w_row = builder.gep(wa.data, [builder.mul(g_loop.index, width)])
+                w_row = builder.gep(wa.data, [builder.add(builder.mul(g_loop.index, width), colv)])
                 slots = [cgutils.alloca_once_value(builder, _load(builder, acc_row, ir.Constant(intp, LANES * c),
                                                                   _V8F)) for c in range(chunks)]
                 with cgutils.for_range(builder, nv) as t_loop:
@@ -148,7 +149,7 @@ def _make_values(chunks: int):
                     builder.store(builder.load(slot), ptr, align=1)
             return context.get_dummy_value()
 
-        return types.void(weights, rows, b, h, r0, n, acc), codegen
+        return types.void(weights, col, rows, b, h, r0, n, acc), codegen
 
     return values
 
@@ -159,14 +160,15 @@ _s4, _s8, _s16 = (_SCORES[c] for c in CHUNKS)
 _v4, _v8, _v16 = (_VALUES[c] for c in CHUNKS)
 
 
-def simd_scores(q, first_head, out, rows, b, h, r0, n, fallback, zero):  # pragma: no cover - overloaded
-    """The vector scores for float32 rows of head dim 32/64/128; otherwise `fallback` (the numba loops,
-    same arguments and `zero`)."""
+def simd_scores(q, first_head, out, col, rows, b, h, r0, n, fallback, zero):  # pragma: no cover - overloaded
+    """The vector scores for float32 rows of head dim 32/64/128, into out's columns col..; otherwise
+    `fallback` (the numba loops, same arguments and `zero`)."""
     raise NotImplementedError
 
 
-def simd_values(weights, rows, b, h, r0, n, acc, fallback):  # pragma: no cover - overloaded
-    """The vector weighted sum for float32 rows of head dim 32/64/128; otherwise `fallback`."""
+def simd_values(weights, col, rows, b, h, r0, n, acc, fallback):  # pragma: no cover - overloaded
+    """The vector weighted sum (weights from column col on) for float32 rows of head dim 32/64/128;
+    otherwise `fallback`."""
     raise NotImplementedError
 
 
@@ -175,39 +177,39 @@ def _is_f32(*arrays) -> bool:
 
 
 @overload(simd_scores, inline="always")
-def _simd_scores(q, first_head, out, rows, b, h, r0, n, fallback, zero):
+def _simd_scores(q, first_head, out, col, rows, b, h, r0, n, fallback, zero):
     if not _is_f32(q, out, rows):
-        return lambda q, first_head, out, rows, b, h, r0, n, fallback, zero: fallback(
-            q, first_head, out, rows, b, h, r0, n, zero)
+        return lambda q, first_head, out, col, rows, b, h, r0, n, fallback, zero: fallback(
+            q, first_head, out, col, rows, b, h, r0, n, zero)
 
-    def vector(q, first_head, out, rows, b, h, r0, n, fallback, zero):
+    def vector(q, first_head, out, col, rows, b, h, r0, n, fallback, zero):
         d = rows.shape[3]
         if d == 64:
-            _s8(q, first_head, out, rows, b, h, r0, n)
+            _s8(q, first_head, out, col, rows, b, h, r0, n)
         elif d == 128:
-            _s16(q, first_head, out, rows, b, h, r0, n)
+            _s16(q, first_head, out, col, rows, b, h, r0, n)
         elif d == 32:
-            _s4(q, first_head, out, rows, b, h, r0, n)
+            _s4(q, first_head, out, col, rows, b, h, r0, n)
         else:
-            fallback(q, first_head, out, rows, b, h, r0, n, zero)
+            fallback(q, first_head, out, col, rows, b, h, r0, n, zero)
     return vector
 
 
 @overload(simd_values, inline="always")
-def _simd_values(weights, rows, b, h, r0, n, acc, fallback):
+def _simd_values(weights, col, rows, b, h, r0, n, acc, fallback):
     if not _is_f32(weights, rows, acc):
-        return lambda weights, rows, b, h, r0, n, acc, fallback: fallback(weights, rows, b, h, r0, n, acc)
+        return lambda weights, col, rows, b, h, r0, n, acc, fallback: fallback(weights, col, rows, b, h, r0, n, acc)
 
-    def vector(weights, rows, b, h, r0, n, acc, fallback):
+    def vector(weights, col, rows, b, h, r0, n, acc, fallback):
         d = rows.shape[3]
         if d == 64:
-            _v8(weights, rows, b, h, r0, n, acc)
+            _v8(weights, col, rows, b, h, r0, n, acc)
         elif d == 128:
-            _v16(weights, rows, b, h, r0, n, acc)
+            _v16(weights, col, rows, b, h, r0, n, acc)
         elif d == 32:
-            _v4(weights, rows, b, h, r0, n, acc)
+            _v4(weights, col, rows, b, h, r0, n, acc)
         else:
-            fallback(weights, rows, b, h, r0, n, acc)
+            fallback(weights, col, rows, b, h, r0, n, acc)
     return vector
 
 
