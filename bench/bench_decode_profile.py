@@ -130,7 +130,7 @@ def build(args: argparse.Namespace) -> dict[str, LlamaModel]:
         import kvlab
         for path in args.model:  # "F.gguf+q8": the same file with int8 activations (`activations="q8"`)
             file, plus, activations = path.partition("+")
-            models[Path(file).name + plus + activations], _ = kvlab.load(file, activations=activations or None)
+            models[Path(file).name + plus + activations], _ = kvlab.load(file, activations=activations or "float32")
         return models
     return models_in_formats(args.formats)
 

@@ -5,10 +5,12 @@ loaded, run, checked and dropped before the next file loads, so a 1B or 3B model
 RSS per file is reported), the engines take turns, round by round and context by context, so drift on a
 shared machine hits all alike:
 
-  * kvlab with the weights as stored (`kvlab.load(path, weights_dtype="stored")`: half or quantized blocks
-    read by whatever kernels this checkout has), the same with the quantized products' inputs rounded to
-    int8 as llama.cpp rounds them (`activations="q8"`, integer dot products; block-type files only), and
-    dequantized (`weights_dtype="float32"`, the reference; `--no-float32` skips it: 4 bytes a weight);
+  * kvlab with the weights as stored and exact products ("kvlab exact": `kvlab.load(path,
+    weights_dtype="stored", activations="float32")`: half or quantized blocks read by whatever kernels this
+    checkout has), the same with the quantized products' inputs rounded to int8 as llama.cpp rounds them
+    ("kvlab q8": `activations="q8"`, integer dot products; block-type files only; what `kvlab.load(path)`
+    and every command run on such a file by default), and dequantized (`weights_dtype="float32"`, the
+    reference; `--no-float32` skips it: 4 bytes a weight);
   * llama.cpp's own `llama-bench` on the same file, the same thread count (tg at depth = context, and pp);
     without llama-bench, llama.cpp through llama-cpp-python in a worker process, timed as kvlab is.
 
@@ -19,7 +21,7 @@ streaming-read bandwidth measured in the same run (bench/roofline.py, a parallel
 Prefill: tokens/s of a 128- and a 1024-token prompt from an empty cache (llama.cpp's pp128/pp1024).
 
 Checks printed beside the timings:
-  * kvlab stored vs kvlab float32 on each file: max |logit difference| / (max |logit| + 1), 16 tokens;
+  * kvlab exact vs kvlab float32 on each file: max |logit difference| / (max |logit| + 1), 16 tokens;
   * llama.cpp loads each file (and each `--kvlab-files` file, written by `kvlab quantize`) and its logits at
     every position of real text agree with kvlab's float32 logits of the same file: max |difference|,
     relative to max |logit| + 1, and top-1 agreement, against the tolerances printed with them.
@@ -57,7 +59,7 @@ CHECK_TEXT = Path(__file__).resolve().parent.parent / "kvlab" / "models" / "shak
 # The bounds are a few times above that; a file llama.cpp misread (rows out of order, wrong scales) would
 # give differences of the order of the logits themselves.
 CHECK_RELATIVE = 0.3
-ENGINES = ("kvlab stored", "kvlab q8", "kvlab float32", "llama.cpp")
+ENGINES = ("kvlab exact", "kvlab q8", "kvlab float32", "llama.cpp")
 CHECK_TOP1 = 0.8
 
 
@@ -301,7 +303,7 @@ def main() -> None:
     for kind, path in files.items():
         reset_peak_rss()
         models = {}
-        models["stored"], tokenizer = kvlab.load(path, weights_dtype="stored")
+        models["stored"], tokenizer = kvlab.load(path, weights_dtype="stored", activations="float32")
         if models["stored"].quantized:  # llama.cpp's own arithmetic on such a file: activations rounded to int8
             models["q8"] = kvlab.load(path, weights_dtype="stored", activations="q8")[0]
         if not ARGS.no_float32:
@@ -429,20 +431,20 @@ def render_markdown(report: dict) -> str:
              + ", ".join(f"{b / 1e9:.1f}" for b in report["bandwidths"]) + f"), load average {load:.1f} at the end; "
              f"{report['llama_cpp']}.", "",
              "Decode tokens/s (x the roofline of the bytes that engine reads per step):", "",
-             "| file | MiB | context | kvlab stored | kvlab q8 | kvlab float32 | llama.cpp | stored / llama.cpp "
+             "| file | MiB | context | kvlab exact | kvlab q8 | kvlab float32 | llama.cpp | exact / llama.cpp "
              "| q8 / llama.cpp |", "|---|---|---|---|---|---|---|---|---|"]
     for row in report["decode"]:
-        lines.append(f"| {row['type']} | {row['file_mib']:.0f} | {row['context']} | {_cell(row, 'kvlab stored')} | "
+        lines.append(f"| {row['type']} | {row['file_mib']:.0f} | {row['context']} | {_cell(row, 'kvlab exact')} | "
                      f"{_cell(row, 'kvlab q8')} | {_cell(row, 'kvlab float32')} | {_cell(row, 'llama.cpp')} | "
-                     f"{_ratio(row, 'kvlab stored', 'llama.cpp')} | {_ratio(row, 'kvlab q8', 'llama.cpp')} |")
+                     f"{_ratio(row, 'kvlab exact', 'llama.cpp')} | {_ratio(row, 'kvlab q8', 'llama.cpp')} |")
     lines += ["", "Prefill tokens/s (a prompt from an empty cache):", "",
-              "| file | prompt | kvlab stored | kvlab q8 | kvlab float32 | llama.cpp | stored / llama.cpp "
+              "| file | prompt | kvlab exact | kvlab q8 | kvlab float32 | llama.cpp | exact / llama.cpp "
               "| q8 / llama.cpp |", "|---|---|---|---|---|---|---|---|"]
     for row in report["prefill"]:
         cells = [f"{row[e]['tokens_per_s']:.0f}" if row.get(e) else "-" for e in ENGINES]
         lines.append(f"| {row['type']} | {row['tokens']} | {' | '.join(cells)} | "
-                     f"{_ratio(row, 'kvlab stored', 'llama.cpp')} | {_ratio(row, 'kvlab q8', 'llama.cpp')} |")
-    lines += ["", "kvlab stored vs kvlab float32 on the same file, max |logit diff| / (max |logit| + 1), 16 tokens: "
+                     f"{_ratio(row, 'kvlab exact', 'llama.cpp')} | {_ratio(row, 'kvlab q8', 'llama.cpp')} |")
+    lines += ["", "kvlab exact vs kvlab float32 on the same file, max |logit diff| / (max |logit| + 1), 16 tokens: "
               + ", ".join(f"{k} {v:.1e}" for k, v in report["stored_vs_float32_relative_error"].items())]
     check = report["logits_check"]
     if check["files"]:

@@ -16,7 +16,7 @@ from kvlab.config import ModelConfig
 from kvlab.errors import ConfigError
 from kvlab.gguf.loader import gguf_file, load_gguf
 from kvlab.hf import generation_config, loader as hf
-from kvlab.model.act_quant import check_activations
+from kvlab.model.act_quant import AUTO, check_load_activations, default_activations
 from kvlab.model.heap import release_free_memory
 from kvlab.model.llama import LlamaModel
 from kvlab.sampling.defaults import ModelSampling
@@ -33,9 +33,11 @@ def load(path: str | Path | None = None, dtype: Any = DEFAULT_COMPUTE_DTYPE, pro
 
     `path` is an HF folder, a .gguf file or a folder holding one. The tokenizer is read first (it is
     small), so a folder without one fails before the weights load. `weights_dtype`: see `load_model`;
-    `activations`: "q8" rounds the inputs of quantized matrices to int8 (LlamaModel.set_activations).
+    `activations`: None/"auto" (int8 activations for block-quantized weights on the compiled backend,
+    exact products otherwise: model/act_quant.default_activations), "float32" or "q8"
+    (LlamaModel.set_activations).
     """
-    check_activations(activations)  # a misspelt name fails before the weights load
+    check_load_activations(activations)  # a misspelt name fails before the weights load
     if gguf_file(path) is not None:
         model, tokenizer = load_gguf(path, dtype, progress, backend=backend,
                                      weights_dtype=_gguf_weights(weights_dtype, dtype), activations=activations)
@@ -55,8 +57,9 @@ def load_model(path: str | Path | None = None, dtype: Any = DEFAULT_COMPUTE_DTYP
     them, and a GGUF block type ("q8_0", "q4_0", ...) quantizes every matrix at load with llama.cpp's
     encoder; for a GGUF file "auto" (with float32 compute) and "stored" keep every matrix as the file
     stores it (block types read by the quantized kernels, F16/BF16 half), anything else ("float32", or
-    "auto" with float64 compute) dequantizes it into the compute dtype: the reference."""
-    check_activations(activations)
+    "auto" with float64 compute) dequantizes it into the compute dtype: the reference. `activations`: as
+    `load`."""
+    check_load_activations(activations)
     if gguf_file(path) is not None:
         model = load_gguf(path, dtype, progress, backend=backend, weights_dtype=_gguf_weights(weights_dtype, dtype),
                           activations=activations)[0]
@@ -68,8 +71,12 @@ def load_model(path: str | Path | None = None, dtype: Any = DEFAULT_COMPUTE_DTYP
 
 
 def _with_activations(model: LlamaModel, activations: str | None) -> LlamaModel:
-    if activations is not None:
-        model.set_activations(activations)
+    """The model in the mode asked for, "auto" resolved for its weights (a GGUF load built it so already)."""
+    mode = check_load_activations(activations)
+    if mode == AUTO:
+        mode = default_activations(model.quantized, model.backend, model.config.attn_logit_softcapping is not None)
+    if mode != model.activations:
+        model.set_activations(mode)
         if model.quantized:  # the layout the mode does not read was dropped: give its pages back
             release_free_memory()
     return model

@@ -198,7 +198,7 @@ def test_quantized_files_load_and_run(family, tmp_path, type_name):
     quantize_hf(folder, path, type_name)
     assert {info.type_name for info in read_gguf(path).tensors.values()} == {type_name, "F32"}
     reference, _ = kvlab.load(path, weights_dtype="float32")
-    stored, _ = kvlab.load(path, weights_dtype="stored")
+    stored, _ = kvlab.load(path, weights_dtype="stored", activations="float32")  # exact products
     assert stored.quantized and not reference.quantized
     config, weights = read_float_weights(folder)
     expected = kvlab.LlamaModel(config, weights=split_fused(config, dequantized(quantize_weights(weights, type_name))),
@@ -212,6 +212,15 @@ def test_quantized_files_load_and_run(family, tmp_path, type_name):
     assert error > TOLERANCE  # really quantized
     tokens = kvlab.generate(stored, ids, 8)[0]
     assert tokens.shape == (8,) and np.array_equal(tokens, kvlab.generate(reference, ids, 8)[0])
+    # the default: int8 activations (but for Gemma 2's soft-capped scores), and a cached prefill plus
+    # one-token steps give a full recompute's logits bit for bit (batch-invariant attention)
+    default, _ = kvlab.load(path)
+    assert default.activations == ("float32" if name == "gemma2" else "q8")
+    if default.activations == "q8":
+        cache = default.new_cache(1)
+        steps = [default.forward(ids[:, :7], cache=cache).logits]
+        steps += [default.forward(ids[:, i:i + 1], cache=cache).logits for i in range(7, ids.shape[1])]
+        assert np.array_equal(np.concatenate(steps, axis=1), default.forward(ids).logits)
 
 
 def test_kvlab_convert_gives_back_a_folder_transformers_loads(family, tmp_path):

@@ -70,7 +70,7 @@ def test_a_quantized_model_with_attention_biases_computes_the_dequantized_models
     path = tmp_path / "qwen2.gguf"
     write_gguf(path, small_config("qwen2", max_position_embeddings=64), types=("Q8_0",))
     reference, _ = kvlab.load(path, backend="numpy")  # dequantized to float32
-    model, _ = kvlab.load(path, weights_dtype="stored", backend="numba")
+    model, _ = kvlab.load(path, weights_dtype="stored", backend="numba", activations="float32")
     assert type(model.ops).__name__ == "QuantizedOps" and model.layers[0].b_qkv is not None
     assert np.abs(model.layers[0].b_qkv).max() > 0
     ids = np.array([[5, 17, 99, 3, 250, 41, 8]])

@@ -223,7 +223,7 @@ def test_the_engine_serves_a_model_in_the_mode(q4_1_file):
 def test_the_mode_has_its_own_fingerprint_and_refuses_the_exact_models_cache(q4_1_file):
     import kvlab
 
-    model, _ = kvlab.load(q4_1_file, backend="numba")
+    model, _ = kvlab.load(q4_1_file, backend="numba", activations="float32")
     exact_print = model.fingerprint
     ids = np.array([[1, 2, 3, 4]])
     cache = model.forward(ids, use_cache=True).cache
@@ -250,6 +250,29 @@ def test_the_mode_is_refused_where_it_means_nothing_or_is_misspelt(q4_1_file):
     with pytest.raises(InputError, match="unknown activations 'int4'"):
         model.set_activations("int4")
     assert model.activations == "float32" and model.fingerprint == before
+
+
+def test_the_default_is_the_mode_for_block_types_on_the_compiled_backend(q4_1_file, tmp_path):
+    """`activations` None/"auto" (every command's default): int8 activations where block-type matrices are
+    kept as stored and run compiled (a GGUF file, an HF folder quantized at load); exact products for an
+    F16 file, a dequantized load, the NumPy reference, or when asked."""
+    import kvlab
+    from gguf_files import small_config, write_gguf
+    from kvlab.kernels import AVAILABLE
+
+    compiled = "q8" if AVAILABLE else "float32"
+    assert kvlab.load(q4_1_file)[0].activations == compiled
+    assert kvlab.load(q4_1_file, activations="auto")[0].activations == compiled
+    assert kvlab.load(q4_1_file, activations="float32")[0].activations == "float32"
+    assert kvlab.load(q4_1_file, backend="numpy")[0].activations == "float32"
+    assert kvlab.load(q4_1_file, weights_dtype="float32")[0].activations == "float32"
+    assert kvlab.load(weights_dtype="q8_0")[0].activations == compiled  # the shipped model, quantized at load
+    assert kvlab.load()[0].activations == "float32"  # the shipped float model
+    half = tmp_path / "half.gguf"
+    write_gguf(half, small_config("llama", max_position_embeddings=64), types=("F16",))
+    assert kvlab.load(half)[0].activations == "float32"
+    with pytest.raises(InputError, match="unknown activations 'q4'"):
+        kvlab.load(q4_1_file, activations="q4")
 
 
 def test_the_cli_takes_the_mode_and_refuses_it_for_a_float_model(q4_1_file):

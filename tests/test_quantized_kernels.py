@@ -122,7 +122,7 @@ def test_fused_quantized_layers_give_the_dequantized_models_logits_and_tokens(tm
     write_gguf(path, small_config("llama", max_position_embeddings=128, **sizes), types=(type_name,))
     reference, tokenizer = kvlab.load(path, backend="numpy", weights_dtype="float32")
     assert not reference.quantized
-    model, _ = kvlab.load(path, weights_dtype="stored", backend="numba")
+    model, _ = kvlab.load(path, weights_dtype="stored", backend="numba", activations="float32")
     assert all(isinstance(layer, QuantizedLayer) for layer in model.ops.bind(model.layers))
     ids = assert_cached_logits_match(model, reference, tokenizer, prefill=3, greedy=64)
     batch = np.concatenate([ids, ids[:, ::-1]])  # two rows decoded together: the fused kernels' row blocks

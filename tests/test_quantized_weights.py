@@ -114,7 +114,7 @@ def test_a_gguf_kept_as_stored_computes_the_dequantized_models_logits(tmp_path, 
 
     path, _ = small_gguf(tmp_path, types)
     reference, tokenizer = kvlab.load(path, backend="numpy", weights_dtype="float32")  # the reference
-    model, _ = kvlab.load(path, weights_dtype="stored", backend=backend)
+    model, _ = kvlab.load(path, weights_dtype="stored", backend=backend, activations="float32")
     assert model.quantized and any(isinstance(layer.w_qkv, QuantizedMatrix) or
                                    type(layer.w_qkv).__name__ == "RowStack" for layer in model.layers)
     assert_cached_logits_match(model, reference, tokenizer, prefill=5, greedy=12)
@@ -185,7 +185,7 @@ def test_decode_rows_take_the_fused_kernels_and_prefill_rows_the_bands(tmp_path)
 
     for types, fused in ((("Q8_0",), True), (("F16", "Q8_0"), False)):
         path, _ = small_gguf(tmp_path, types)
-        model, _ = kvlab.load(path, weights_dtype="stored", backend="numba")
+        model, _ = kvlab.load(path, weights_dtype="stored", backend="numba", activations="float32")
         ops = model.ops
         assert type(ops) is QuantizedOps
         counting = ops._qfused = Counting(ops._qfused)

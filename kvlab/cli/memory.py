@@ -12,6 +12,7 @@ from rich.table import Table
 
 from kvlab import validate
 from kvlab.cache.dtypes import FLOAT_NAMES
+from kvlab.model.act_quant import AUTO, LOAD_CHOICES, default_activations
 from kvlab.cache.kv_spec import (FullAttentionSpec, LayerSpecs, MambaSpec, SlidingWindowSpec, kv_specs,
                                  model_config_specs)
 from kvlab.cache.memory import (DTYPE_BYTES, GroupBytes, cache_bytes, canonical_dtype, group_bytes,
@@ -43,9 +44,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "default the cache dtype when it is a float dtype, else the model's dtype (vLLM's "
                    "mamba_cache_dtype auto)")
     p.add_argument("--budget", help="memory for the cache, e.g. 8GiB or 1000000: how many tokens fit")
-    p.add_argument("--activations", choices=("float32", "q8"), default="float32",
+    p.add_argument("--activations", choices=LOAD_CHOICES, default="auto",
                    help="a .gguf model's products, as generate --activations runs them: the predicted peak "
-                   "counts the weights in that mode's layout (default float32)")
+                   "counts the weights in that mode's layout (default auto: q8 where the file has block-type "
+                   "matrices, as generate runs it)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=run)
 
@@ -87,7 +89,7 @@ def gguf_weight_bytes(path: str) -> dict[str, int] | None:
     found = gguf_file(path)
     if found is None:
         return None
-    stored = q8 = float32 = file = largest = 0
+    stored = q8 = float32 = file = largest = blocks = 0
     for info in read_gguf(found).tensors.values():
         count = 1
         for size in info.shape:
@@ -96,11 +98,12 @@ def gguf_weight_bytes(path: str) -> dict[str, int] | None:
         file += info.nbytes
         if len(info.shape) == 2 and info.type_name in BLOCK_SIZES:
             kept, kept_q8 = (predicted_bytes(info.type_name, info.shape, mode) for mode in ("float32", "q8"))
+            blocks += 1
         else:
             kept = kept_q8 = count * (2 if len(info.shape) == 2 and info.type_name in ("F16", "BF16") else 4)
         stored, q8, largest = stored + kept, q8 + kept_q8, max(largest, kept)
     return {"weights_stored": stored, "weights_stored_q8": q8, "weights_float32": float32, "file_tensors": file,
-            "largest_stored": largest}
+            "largest_stored": largest, "block_matrices": blocks}
 
 
 # What a `kvlab generate` process holds besides weights and K/V, measured (bench/bench_memory.py, a 1B-shaped
@@ -257,8 +260,14 @@ def run(args: argparse.Namespace) -> int:
         result["weight_bytes_stored_q8"] = weights["weights_stored_q8"]
         result["weight_bytes_float32"] = weights["weights_float32"]
         result["file_tensor_bytes"] = weights["file_tensors"]
-        result["activations"] = args.activations
-        result["predicted_peak"] = predicted_peak(weights, int(kv_bytes + state_bytes), args.activations)
+        mode = args.activations
+        if mode == AUTO:  # as kvlab.load resolves it on the compiled backend
+            from kvlab.loader import model_config
+
+            mode = default_activations(weights["block_matrices"] > 0, "numba",
+                                       model_config(path).attn_logit_softcapping is not None)
+        result["activations"] = mode
+        result["predicted_peak"] = predicted_peak(weights, int(kv_bytes + state_bytes), mode)
     if budget is not None:
         result["budget_bytes"] = budget
         result["tokens_in_budget"] = specs_tokens_in_budget(specs, budget, batch, dtype, state_dtype)
@@ -304,9 +313,10 @@ def _print(result: dict[str, Any], model: SizedModel, rows: list[GroupBytes], un
                   f"{human_bytes(peak['kv'])} + runtime {human_bytes(peak['runtime'])} = "
                   f"{human_bytes(peak['run_peak'])}; loading: {human_bytes(peak['load_peak'])} (the largest tensor's "
                   "temporaries beside the weights)")
-        con.print(f"weights resident: [bold]{human_bytes(weights['weights_stored'])}[/] as stored (GGUF blocks "
-                  f"as codes + float32 scales), {human_bytes(weights['weights_stored_q8'])} with --activations q8 "
-                  f"(the file's tensors: {human_bytes(weights['file_tensors'])}), "
+        con.print(f"weights resident: [bold]{human_bytes(weights['weights_stored_q8'])}[/] with int8 activations "
+                  f"(q8, the default for block types; the file's tensors: {human_bytes(weights['file_tensors'])}), "
+                  f"{human_bytes(weights['weights_stored'])} with exact products (--activations float32: GGUF "
+                  "blocks as codes + float32 scales), "
                   f"{human_bytes(weights['weights_float32'])} dequantized to float32")
     if budget is not None:
         fit = result["tokens_in_budget"]

@@ -23,9 +23,10 @@ from kvlab.gguf.tensors import read_weights, split_fused, weight_plan
 from kvlab.gguf.tokenizer import tokenizer_from_metadata
 from kvlab.progress import weight_progress
 from kvlab.kernels import resolve_backend
-from kvlab.model.act_quant import check_activations
+from kvlab.model.act_quant import AUTO, check_load_activations, default_activations
 from kvlab.model.heap import release_free_memory
 from kvlab.model.llama import LlamaModel
+from kvlab.model.quantized import QuantizedMatrix
 from kvlab.tokenizer import HFTokenizer
 
 def gguf_file(path: str | Path | None) -> Path | None:
@@ -96,17 +97,23 @@ def load_gguf(path: str | Path, dtype: Any = "float32", progress: bool | None = 
     weights_dtype "float32" (or the compute dtype's name) dequantizes every tensor: the reference; "stored"
     keeps each matrix as the file stores it (F16/BF16 half, block types as codes read by the quantized
     kernels: a Q4 file's decode step reads ~0.75 bytes a weight instead of 4), with float32 compute;
-    `activations` ("float32" or "q8", LlamaModel's) is the mode the model is built in, and with weights
-    kept as stored the layout each matrix is read into (a q8 model never holds the float layout whole)."""
+    `activations` ("float32" or "q8", LlamaModel's; None/"auto": q8 where block-type matrices are kept as
+    stored on the compiled backend, act_quant.default_activations) is the mode the model is built in, and
+    with weights kept as stored the layout each matrix is read into (a q8 model never holds the float
+    layout whole)."""
     if weights_dtype not in WEIGHTS_DTYPES:
         raise ConfigError(f"weights_dtype for a GGUF file must be one of {', '.join(WEIGHTS_DTYPES)}, "
                           f"got {weights_dtype!r}")
     keep = weights_dtype == "stored"
     if keep and np.dtype(dtype) != np.float32:
         raise ConfigError(f"weights kept as stored need float32 compute, not {np.dtype(dtype).name}")
-    mode = check_activations(activations)
-    layout = mode if keep and resolve_backend(backend) == "numba" else "float32"  # NumPy reads the float layout
+    asked, compiled = check_load_activations(activations), resolve_backend(backend)
+    mode = default_activations(keep, compiled) if asked == AUTO else asked  # "q8" read into the dot layout...
+    layout = mode if keep and compiled == "numba" else "float32"  # (NumPy reads the float layout)
     checkpoint = read_checkpoint(path, dtype, progress, keep_stored=keep, activations=layout)
+    if asked == AUTO:  # ...unless no matrix stayed block-quantized (an F16 file) or scores are soft-capped
+        mode = default_activations(any(isinstance(w, QuantizedMatrix) for w in checkpoint.weights.values()), compiled,
+                                   checkpoint.config.attn_logit_softcapping is not None)
     model = LlamaModel(checkpoint.config, weights=split_fused(checkpoint.config, checkpoint.weights), dtype=dtype,
                        source=str(checkpoint.path), backend=backend, weights_dtype="auto" if keep else None,
                        activations=mode)

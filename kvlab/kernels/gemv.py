@@ -17,6 +17,8 @@ The NumPy twins are `kvlab.model.layers.linear`, `rms_norm` and `swiglu`.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import njit, prange
 
@@ -190,6 +192,33 @@ def silu_times_up(gate_up, out, inter):
         out[k] = fast_exp(-gate_up[k])
     for k in range(inter):
         out[k] = gate_up[k] / (1 + out[k]) * gate_up[inter + k]
+
+
+@njit(cache=True)
+def _geglu_rows(gate_up, out):
+    """out = gelu_tanh(gate) * up (layers.geglu), element by element in float64: no vector code whose
+    tail would treat an element by where it sits, so a row's result never depends on the rows beside it."""
+    inter = out.shape[1]
+    for m in range(out.shape[0]):
+        for k in range(inter):
+            g = np.float64(gate_up[m, k])
+            inner = (g * g * 0.044715 + 1.0) * g * _SQRT_2_OVER_PI
+            out[m, k] = (math.tanh(inner) + 1.0) * g * 0.5 * gate_up[m, inter + k]
+
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def gated(gate_up: np.ndarray, gelu: bool) -> np.ndarray:
+    """The gated MLP's activation over [..., 2 * inter] -> [..., inter]: SwiGLU (layers.swiglu) or, `gelu`,
+    Gemma's GeGLU (layers.geglu), compiled row by row."""
+    flat = np.ascontiguousarray(gate_up.reshape(-1, gate_up.shape[-1]))
+    out = np.empty((flat.shape[0], flat.shape[1] // 2), dtype=flat.dtype)
+    if gelu:
+        _geglu_rows(flat, out)
+    else:
+        (_swiglu_parallel if flat.shape[0] >= SWIGLU_PARALLEL_ROWS else _swiglu_serial)(flat, out)
+    return out.reshape(*gate_up.shape[:-1], out.shape[1])
 
 
 # A prefill's thousands of rows go over the threads; a decode step's one row stays on the calling thread

@@ -53,12 +53,15 @@ class ContiguousAttention:
     plan of its own (`ModelConfig.layer_window`); soft-capped scores (Gemma 2) take the NumPy reference,
     which the kernels do not cap. A cache whose sliding layers gave back their rows before the window
     (`cache.layer_start`, kvlab/cache/kv_cache.py) is read from there: that window's plan builds its mask
-    and key ranges over the key positions from that row on.
+    and key ranges over the key positions from that row on. `batch_invariant` (the ops' own, int8
+    activations): a prefill runs through the decode kernel too, each query row one "sequence" with its
+    key range, so every row gets the bits a one-token step gives it (ARCHITECTURE.md invariant 13).
     """
 
     def __init__(self, cache: Cache | None, positions: np.ndarray, batch: int, config: ModelConfig,
-                 compiled: bool, dtype: np.dtype) -> None:
+                 compiled: bool, dtype: np.dtype, batch_invariant: bool = False) -> None:
         self.cache, self.positions, self.batch, self.dtype = cache, positions, batch, np.dtype(dtype)
+        self.batch_invariant = batch_invariant
         self.num_new = len(positions)
         key_positions = positions if cache is None else np.append(cache.positions, positions)
         self.num_keys = len(key_positions)
@@ -72,11 +75,11 @@ class ContiguousAttention:
                  for w, first in firsts.items()}
         self.layer_plans = [plans[w] for w in windows]
         self.mask = self.layer_plans[0].mask  # the first layer's (every layer's, but on hybrid models)
-        if cache is not None and cache.quantized and any(p.decode is None for p in plans.values()):
+        if cache is not None and cache.quantized and any(p.decode is None and p.rows is None for p in plans.values()):
             self.in_place = False  # codes are read in place by the decode kernel only
         if not self.in_place:
             for plan in plans.values():
-                plan.ranges = plan.decode = None
+                plan.ranges = plan.decode = plan.rows = None
 
     def mask_of(self, layer: int) -> np.ndarray | None:
         return self.layer_plans[layer].mask
@@ -114,6 +117,8 @@ class ContiguousAttention:
         k4, v4 = self._heads_first(k), self._heads_first(v)
         if self.cache is not None:
             k4, v4 = self.cache.append(layer, k4, v4, self.positions)
+        if plan.rows is not None:  # batch-invariant: every query row through the decode kernel
+            return plan.rows(q, k4, v4)
         q4 = self._heads_first(q)
         if plan.ranges is not None:
             return self.merge(plan.prefill.prefill_attention(q4, k4, v4, *plan.ranges, self.scale))
@@ -130,7 +135,7 @@ class _ContiguousPlan:
         batch = owner.batch
         self.num_keys = num_keys = len(key_positions)  # the rows its layers hold, from their first
         self.mask = attention_mask(positions, key_positions, causal=config.causal, sliding_window=window)
-        self.ranges = self.decode = None
+        self.ranges = self.decode = self.rows = None
         if not owner.in_place:
             return
         from kvlab.kernels import attention as decode_kernels, prefill_attention
@@ -145,6 +150,10 @@ class _ContiguousPlan:
         if self.ranges is not None and owner.num_new == 1:
             lo, hi = self.ranges
             self.decode = _DecodeCall(decode_kernels, lo[:, 0].copy(), hi[:, 0].copy(), config, owner.dtype)
+        elif self.ranges is not None and owner.batch_invariant:  # row b * T + t reads sequence b's block
+            lo, hi = self.ranges
+            tables = np.repeat(np.arange(batch, dtype=np.int64), owner.num_new)[:, None]
+            self.rows = _DecodeCall(decode_kernels, lo.ravel(), hi.ravel(), config, owner.dtype, tables)
 
 
 class _DecodeCall:
@@ -154,14 +163,16 @@ class _DecodeCall:
     (int8/int4/fp8 with their scales), read in place either way."""
 
     def __init__(self, kernels, starts: np.ndarray, ends: np.ndarray, config: ModelConfig,
-                 dtype: np.dtype) -> None:
-        """Row b attends to its keys starts[b] .. ends[b]-1 ([B] int64 each)."""
+                 dtype: np.dtype, tables: np.ndarray | None = None) -> None:
+        """Row b attends to its keys starts[b] .. ends[b]-1 ([B] int64 each) of the cache's sequence
+        tables[b, 0] (default b: one query per sequence)."""
         batch = starts.shape[0]
         heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.starts, self.ends = starts, ends
         self.kernel = kernels.decode_kernel(int((self.ends - self.starts).sum()) * kv_heads)
-        self.operands, self.span = kernels.kernel_operands, kernels.SPAN
-        self.tables = np.arange(batch, dtype=np.int64)[:, None]  # a contiguous cache: one block per row
+        self.operands, self.span, self.threads = kernels.kernel_operands, kernels.SPAN, kernels.numba.get_num_threads
+        # a contiguous cache: one block per sequence
+        self.tables = np.arange(batch, dtype=np.int64)[:, None] if tables is None else tables
         self.scale, self.zero = dtype.type(config.attention_scale), dtype.type(0)
         self.out = np.empty((batch, heads, head_dim), dtype=dtype)  # reused: each layer's o is used at once
         self.merged = self.out.reshape(batch, heads * head_dim)
@@ -170,7 +181,7 @@ class _DecodeCall:
         kc, ks, kz, kind, group = self.operands(k4)
         vc, vs, vz, _, _ = self.operands(v4)
         self.kernel(q * self.scale, kc, ks, kz, vc, vs, vz, kind, group, self.tables, self.starts, self.ends,
-                    self.span, self.out, self.zero)
+                    self.span, self.threads(), self.out, self.zero)
         return self.merged
 
 
@@ -205,9 +216,13 @@ class PagedAttention:
     the NumPy reference. A window with a KV-cache group of its own (`batch.window_tables`: a hybrid model's
     sliding layers in the engine, kvlab/engine/kv_groups.py) brings its own block tables and slot mapping,
     and `pool` hands each layer its group's arrays, so each plan reads its layers through its own tables.
+    `batch_invariant` (int8 activations): prefill chunks run through the decode kernel, one query row at a
+    time, over float or quantized blocks alike (ARCHITECTURE.md invariant 13).
     """
 
-    def __init__(self, pool: PagedKV, batch: BatchInput, config: ModelConfig, compiled: bool) -> None:
+    def __init__(self, pool: PagedKV, batch: BatchInput, config: ModelConfig, compiled: bool,
+                 batch_invariant: bool = False) -> None:
+        self.batch_invariant = batch_invariant
         self.key_cache, self.value_cache = pool.key_cache, pool.value_cache
         self.causal = config.causal
         self.scale, self.logit_cap = config.attention_scale, config.attn_logit_softcapping
@@ -292,7 +307,7 @@ class _PagedPlan:
 
                 self.decode_call = PagedDecodeCall(self.decode_tables, owner.decode_lens, self.decode_starts,
                                                    block_size, owner.key_cache[0].shape[1])
-        if not owner.in_place:
+        if not (owner.in_place or owner.batch_invariant and owner.decode_in_place):
             return
         from kvlab.kernels import prefill_attention
 
@@ -305,7 +320,9 @@ class _PagedPlan:
                 lo, hi = self.ranges[i]
                 self.ranges[i] = (np.maximum(lo, batch.key_starts[i]), hi)
         ranged = [i for i in owner.others if self.ranges[i] is not None]
-        if ranged:
+        if ranged and owner.batch_invariant:
+            self.prefill = _RowsCall(ranged, owner.starts, self.ranges, tables, block_size, owner.key_cache[0].shape[1])
+        elif ranged:
             self.prefill = _PrefillCall(prefill_attention, ranged, owner.starts, self.ranges,
                                         [tables[i] for i in ranged])
 
@@ -335,6 +352,25 @@ class _PrefillCall:
         """The chunks' attention [rows, H_q, d] for one layer's q [N, H_q, d] (new K/V written already)."""
         return self.kernels.varlen_prefill_attention(q[self.rows], key_cache, value_cache, self.tables,
                                                      self.query_starts, self.lo, self.hi, scale)
+
+
+class _RowsCall:
+    """Batch-invariant prefill: every row of the compiled prefill chunks as a one-query "sequence" of the
+    decode kernel (its chunk's block table, its key range), so each row gets a decode step's bits."""
+
+    def __init__(self, seqs: list[int], starts: np.ndarray, ranges: dict, tables: list[list[int]],
+                 block_size: int, kv_heads: int) -> None:
+        from kvlab.kernels.attention import PagedDecodeCall
+
+        self.rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in seqs])
+        row_tables = _padded([tables[i] for i in seqs for _ in range(starts[i + 1] - starts[i])])
+        lo = np.concatenate([ranges[i][0][0] for i in seqs])
+        hi = np.concatenate([ranges[i][1][0] for i in seqs])
+        self.call = PagedDecodeCall(row_tables, hi, lo, block_size, kv_heads)
+
+    def __call__(self, q: np.ndarray, key_cache: object, value_cache: object,
+                 scale: float | None = None) -> np.ndarray:
+        return self.call(q[self.rows], _stored(key_cache), _stored(value_cache), scale)
 
 
 def _padded(tables: list[list[int]]) -> np.ndarray:

@@ -335,7 +335,8 @@ class LlamaModel:
         # B contiguous rows, the same positions in each: a flat batch of B * T tokens, row-major
         positions = np.arange(start, end)
         attention: Attention = ContiguousAttention(cache, positions, batch, config,
-                                                   self.ops.compiled and observer is None, self.dtype)
+                                                   self.ops.compiled and observer is None, self.dtype,
+                                                   self.ops.batch_invariant)
         if observer is not None:
             attention = ObservedAttention(attention, observer)
         flat_positions = slice(start, end) if batch == 1 else np.tile(positions, batch)
@@ -350,7 +351,7 @@ class LlamaModel:
     def forward_batch(self, batch: BatchInput, pool: PagedKV) -> np.ndarray:
         """The engine's batched step: every scheduled token of every sequence, K/V in a block pool (new rows
         written through `batch.slot_mapping`). Returns logits [len(batch.logits_indices), vocab]."""
-        attention = PagedAttention(pool, batch, self.config, self.ops.compiled)
+        attention = PagedAttention(pool, batch, self.config, self.ops.compiled, self.ops.batch_invariant)
         x = self.run_layers(np.asarray(batch.token_ids, dtype=np.int64), batch.positions, attention)
         return self.final_logits(x[np.asarray(batch.logits_indices, dtype=np.int64)])
 

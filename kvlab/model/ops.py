@@ -44,6 +44,9 @@ class Ops(Protocol):
     """What the layer loop asks of a backend (shapes in the module docstring)."""
 
     compiled: bool  # whether attention may use the compiled kernels too
+    # whether every row's products are independent of the rows beside it, bit for bit (so attention must
+    # be too: model/attention.py then runs prefill through the decode kernel, one query row at a time)
+    batch_invariant: bool
 
     def bind(self, layers: Sequence[Any]) -> list[Any]: ...
 
@@ -69,6 +72,15 @@ class _Shapes:
         self.activation = geglu if config.hidden_act == "gelu_pytorch_tanh" else swiglu
         self.fusable_mlp = config.hidden_act == "silu"  # the fused kernels' activation is SwiGLU
 
+    def norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        """RMSNorm over the last axis (the stepwise halves' norms; the compiled classes compile it)."""
+        return rms_norm(x, weight, self.eps)
+
+    def gated(self, gate_up: np.ndarray) -> np.ndarray:
+        """The gated MLP's activation (SwiGLU or GeGLU) over the halves of gate_up."""
+        inter = gate_up.shape[-1] // 2
+        return self.activation(gate_up[..., :inter], gate_up[..., inter:])
+
     def split(self, qkv: np.ndarray, qk: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """q [N, H_q, d], k [N, H_kv, d] from the rotated heads qk, v [N, H_kv, d] from qkv: views."""
         return qk[:, :self.heads], qk[:, self.heads:self.qk_heads], qkv[:, self.qk_heads:]
@@ -78,8 +90,8 @@ class _Shapes:
         qkv = self.norm_linear(x, layer.input_norm, layer.w_qkv, layer.b_qkv)
         qkv = qkv.reshape(x.shape[0], self.all_heads, self.head_dim)
         if layer.q_norm is not None:
-            qkv[:, :self.heads] = rms_norm(qkv[:, :self.heads], layer.q_norm, self.eps)
-            qkv[:, self.heads:self.qk_heads] = rms_norm(qkv[:, self.heads:self.qk_heads], layer.k_norm, self.eps)
+            qkv[:, :self.heads] = self.norm(qkv[:, :self.heads], layer.q_norm)
+            qkv[:, self.heads:self.qk_heads] = self.norm(qkv[:, self.heads:self.qk_heads], layer.k_norm)
         cos, sin = rope
         qk = rotate_halves(qkv[:, :self.qk_heads], cos[:, None], sin[:, None])  # one rotation over heads
         return self.split(qkv, qk)
@@ -88,13 +100,12 @@ class _Shapes:
         """Output product (+ bias; normed, Gemma), residual; RMSNorm, gated MLP (normed, Gemma), residual."""
         out = self._linear(o, layer.w_o, layer.b_o)
         if layer.attn_out_norm is not None:
-            out = rms_norm(out, layer.attn_out_norm, self.eps)
+            out = self.norm(out, layer.attn_out_norm)
         x += out
         gate_up = self.norm_linear(x, layer.post_norm, layer.w_gate_up)
-        inter = gate_up.shape[-1] // 2
-        down = self._linear(self.activation(gate_up[..., :inter], gate_up[..., inter:]), layer.w_down)
+        down = self._linear(self.gated(gate_up), layer.w_down)
         if layer.mlp_out_norm is not None:
-            down = rms_norm(down, layer.mlp_out_norm, self.eps)
+            down = self.norm(down, layer.mlp_out_norm)
         x += down
 
 
@@ -103,6 +114,7 @@ class NumpyOps(_Shapes):
     rounds the input of every quantized product to int8 per group first (model/act_quant.py)."""
 
     compiled = False
+    batch_invariant = False
 
     def __init__(self, config: ModelConfig, activations: str = "float32") -> None:
         super().__init__(config)
@@ -151,6 +163,7 @@ class CompiledOps(_Shapes):
     """The numba kernels: fused block kernels for a few rows, BLAS on widened weights for many."""
 
     compiled = True
+    batch_invariant = False  # a prefill's BLAS products sum in another order than a decode's fused kernels
 
     def __init__(self, config: ModelConfig, dtype: np.dtype) -> None:
         super().__init__(config)
@@ -188,6 +201,13 @@ class CompiledOps(_Shapes):
 
     def _linear(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
         return self._gemv.linear(x, w, bias)
+
+    def norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        """Compiled, row by row: the same bits for a row whatever rows run beside it."""
+        return self._gemv.rms_norm(x, weight, self.eps)
+
+    def gated(self, gate_up: np.ndarray) -> np.ndarray:
+        return self._gemv.gated(gate_up, self.activation is geglu)
 
     def norm_linear(self, x: np.ndarray, norm: np.ndarray, w: np.ndarray,
                     bias: np.ndarray | None = None) -> np.ndarray:
@@ -251,9 +271,18 @@ class QuantizedOps(CompiledOps):
         self.activations = activations
         if activations == "q8":  # the integer products beat bands + BLAS at any row count: one path for all
             self.max_fused_rows = 1 << 62
+            # and a row's integer sums and float32 steps (norms, activations: compiled row by row) are the
+            # same whatever rows run beside it: with batch-invariant attention, a prefill gives each row a
+            # decode step's bits (the rounding's input computed in one order on every path, so `kvlab verify`
+            # holds this lossy mode to equality), where every layer matrix is quantized (bind)
+            self.batch_invariant = True
 
     def bind(self, layers: Sequence[Any]) -> list[Any]:
         from kvlab.model.quantized import QuantizedMatrix
+
+        if self.activations == "q8":  # a float matrix among them: BLAS for a prefill, a gemv kernel for a decode
+            self.batch_invariant = all(isinstance(getattr(layer, name), QuantizedLinear) for layer in layers
+                                       for name in ("w_qkv", "w_o", "w_gate_up", "w_down"))
 
         def args(w: Any) -> tuple | None:
             if not isinstance(w, QuantizedMatrix):
