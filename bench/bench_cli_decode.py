@@ -38,6 +38,8 @@ def run(tree: str, args: argparse.Namespace, prompt: str) -> tuple[float, float]
         command[4:4] = ["--model", os.path.abspath(args.model)]
     if args.kv_dtype:
         command[4:4] = ["--kv-cache-dtype", args.kv_dtype]
+    if args.activations:  # e.g. q8 in both trees, where one tree's default is not
+        command[4:4] = ["--activations", args.activations]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=tree)
     found = LINE.search(done.stderr)
     if done.returncode != 0 or found is None or int(found[2]) != args.n:
@@ -53,6 +55,7 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=128, help="new tokens per run (default 128)")
     parser.add_argument("--repeat", type=int, default=1, help="the prompt text repeated this many times")
     parser.add_argument("--kv-dtype", default=None)
+    parser.add_argument("--activations", default=None, help="--activations for both trees (default: each tree's own)")
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
     prompt = PROMPT * args.repeat

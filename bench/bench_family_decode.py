@@ -6,7 +6,8 @@ a Qwen3-0.6B-shaped model and a Llama of the very same matrices (qwen3-0.6b with
 bytes, same K/V per token), each in F16 and Q8_0, so a difference in speed per byte is the architecture's
 alone. Per file and context (128, 1024 cached tokens), round by round so drift on a shared machine hits all:
 
-  * kvlab with default flags (`kvlab.load(path)`: weights as the file stores them), the median of `--steps`
+  * kvlab with default flags (`kvlab.load(path)`: weights as the file stores them, block types with int8
+    activations since they became the default; the README's family table predates that), the median of `--steps`
     greedy decode steps after a cache of `context` random K/V rows (no prefill: a 1024-token prefill of the
     F16 file costs a minute at 2 threads, far more than the decode timed);
   * llama.cpp's own `llama-bench` on the same file and threads (tg`--steps` at depth = context; the best

@@ -219,7 +219,7 @@ def check_logits(label: str, path: Path, models: dict, tokenizer, env: dict[str,
     stored weights), and against the int8-activation mode where it ran."""
     text_ids = tokenizer.encode(CHECK_TEXT.read_text(encoding="utf-8"), add_bos=False)
     ids = [int(tokenizer.bos_token_id)] + [int(t) for t in text_ids[:ARGS.check_tokens - 1]]
-    reference = "float32" if "float32" in models else "stored"
+    reference = "float32" if "float32" in models else "exact"
     worker = llama_cpp_peer.LlamaCppWorker(path, ARGS.threads, len(ids) + 8, env, logits_all=True)
     try:
         llama = worker.all_logits(ids)
@@ -303,17 +303,17 @@ def main() -> None:
     for kind, path in files.items():
         reset_peak_rss()
         models = {}
-        models["stored"], tokenizer = kvlab.load(path, weights_dtype="stored", activations="float32")
-        if models["stored"].quantized:  # llama.cpp's own arithmetic on such a file: activations rounded to int8
+        models["exact"], tokenizer = kvlab.load(path, weights_dtype="stored", activations="float32")
+        if models["exact"].quantized:  # llama.cpp's own arithmetic on such a file: activations rounded to int8
             models["q8"] = kvlab.load(path, weights_dtype="stored", activations="q8")[0]
         if not ARGS.no_float32:
             models["float32"] = kvlab.load(path, weights_dtype="float32")[0]
         con.print(f"loaded {kind}: {path} ({path.stat().st_size / 2**20:.1f} MiB), engines {', '.join(models)}")
-        configs[kind] = config = models["stored"].config
+        configs[kind] = config = models["exact"].config
         reads[kind] = {(engine, context): step_bytes(model, context) for engine, model in models.items()
                        for context in ARGS.contexts}
         check = rng.integers(300, config.vocab_size, size=(1, 16))
-        got = models["stored"].forward(check).logits  # compiles each path once, and checks stored against float32
+        got = models["exact"].forward(check).logits  # compiles each path once, and checks stored against float32
         if "float32" in models:
             stored_error[kind] = relative_error(got, models["float32"].forward(check).logits)
         for model in models.values():

@@ -40,6 +40,12 @@ def test_verify_on_a_model_checks_float32_with_the_weights_as_stored(model_file,
     from kvlab.cli.verify import weight_formats
 
     assert path["weights"] == weight_formats(model) and path["backend"] == model.backend
+    # block types run with int8 activations by default, and verify holds that mode to equality
+    assert path["activations"] == model.activations
+    if model.activations == "q8":
+        assert "int8 activations" in path["summary"]
+        errors = {c["name"]: c["max_abs_error"] for c in result["checks"]}
+        assert all(errors[name] == 0 for name in ("decode", "chunks", "batch", "fork", "crop", "paged")), errors
 
 
 def test_verify_float64_is_the_deeper_check_and_says_so(model_file, capsys):

@@ -73,8 +73,10 @@ def verified_path(model: LlamaModel, loaded: bool) -> dict:
                                                         f"generate, chat and serve run {DEFAULT_COMPUTE_DTYPE} "
                                                         "with the weights as stored)"))
     kernels = "compiled kernels (numba)" if model.backend == "numba" else "NumPy reference"
+    products = (", int8 activations (llama.cpp's rounding; batch-invariant: expect error 0)"
+                if model.activations == "q8" else "")
     return {"dtype": model.dtype.name, "weights": formats, "weights_as_run": runs, "backend": model.backend,
-            "summary": f"{model.dtype.name} compute, {weights}, {kernels}"}
+            "activations": model.activations, "summary": f"{model.dtype.name} compute, {weights}{products}, {kernels}"}
 
 
 def run(args: argparse.Namespace) -> int:
