@@ -35,7 +35,7 @@ def paged_copy(contiguous: np.ndarray, block_size: int, rng: np.random.Generator
 
 
 @needs_numba
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(head_dim=st.sampled_from([16, 32, 64, 128]), kv_heads=st.integers(1, 3), group=st.integers(1, 4),
        length=st.integers(1, 700), block_size=st.sampled_from([1, 3, 8, 16, 32, 50]),
        half=st.booleans(), data=st.data(), seed=st.integers(0, 2**16))
