@@ -74,7 +74,7 @@ def _with_activations(model: LlamaModel, activations: str | None) -> LlamaModel:
     """The model in the mode asked for, "auto" resolved for its weights (a GGUF load built it so already)."""
     mode = check_load_activations(activations)
     if mode == AUTO:
-        mode = default_activations(model.quantized, model.backend, model.config.attn_logit_softcapping is not None)
+        mode = default_activations(model.quantized, model.backend, model.config)
     if mode != model.activations:
         model.set_activations(mode)
         if model.quantized:  # the layout the mode does not read was dropped: give its pages back

@@ -12,7 +12,6 @@ from rich.table import Table
 
 from kvlab import validate
 from kvlab.cache.dtypes import FLOAT_NAMES
-from kvlab.model.act_quant import AUTO, LOAD_CHOICES, default_activations
 from kvlab.cache.kv_spec import (FullAttentionSpec, LayerSpecs, MambaSpec, SlidingWindowSpec, kv_specs,
                                  model_config_specs)
 from kvlab.cache.memory import (DTYPE_BYTES, GroupBytes, cache_bytes, canonical_dtype, group_bytes,
@@ -21,6 +20,7 @@ from kvlab.cache.memory import (DTYPE_BYTES, GroupBytes, cache_bytes, canonical_
 from kvlab.cli.fmt import console, human_bytes
 from kvlab.config import ModelConfig, tiny_config
 from kvlab.errors import ConfigError, InputError
+from kvlab.model.act_quant import AUTO, LOAD_CHOICES, default_activations
 from kvlab.validate import int_in_range, parse_size
 
 
@@ -264,8 +264,7 @@ def run(args: argparse.Namespace) -> int:
         if mode == AUTO:  # as kvlab.load resolves it on the compiled backend
             from kvlab.loader import model_config
 
-            mode = default_activations(weights["block_matrices"] > 0, "numba",
-                                       model_config(path).attn_logit_softcapping is not None)
+            mode = default_activations(weights["block_matrices"] > 0, "numba", model_config(path))
         result["activations"] = mode
         result["predicted_peak"] = predicted_peak(weights, int(kv_bytes + state_bytes), mode)
     if budget is not None:

@@ -107,13 +107,13 @@ def load_gguf(path: str | Path, dtype: Any = "float32", progress: bool | None = 
     keep = weights_dtype == "stored"
     if keep and np.dtype(dtype) != np.float32:
         raise ConfigError(f"weights kept as stored need float32 compute, not {np.dtype(dtype).name}")
-    asked, compiled = check_load_activations(activations), resolve_backend(backend)
-    mode = default_activations(keep, compiled) if asked == AUTO else asked  # "q8" read into the dot layout...
-    layout = mode if keep and compiled == "numba" else "float32"  # (NumPy reads the float layout)
+    asked, backend_name = check_load_activations(activations), resolve_backend(backend)
+    mode = default_activations(keep, backend_name) if asked == AUTO else asked  # "q8" read into the dot layout...
+    layout = mode if keep and backend_name == "numba" else "float32"  # (NumPy reads the float layout)
     checkpoint = read_checkpoint(path, dtype, progress, keep_stored=keep, activations=layout)
     if asked == AUTO:  # ...unless no matrix stayed block-quantized (an F16 file) or scores are soft-capped
-        mode = default_activations(any(isinstance(w, QuantizedMatrix) for w in checkpoint.weights.values()), compiled,
-                                   checkpoint.config.attn_logit_softcapping is not None)
+        quantized = any(isinstance(w, QuantizedMatrix) for w in checkpoint.weights.values())
+        mode = default_activations(quantized, backend_name, checkpoint.config)
     model = LlamaModel(checkpoint.config, weights=split_fused(checkpoint.config, checkpoint.weights), dtype=dtype,
                        source=str(checkpoint.path), backend=backend, weights_dtype="auto" if keep else None,
                        activations=mode)

@@ -296,7 +296,7 @@ _NO_SCALES = np.zeros((1, 1, 1, 1), dtype=np.int16)  # what a float store passes
 def decode_kernel(rows: int):
     """The compiled kernel for a decode over `rows` key rows in all (sequences x KV heads x keys):
     `kernel(q, *kernel_operands(keys), *kernel_operands(values)[:3], kind, group, block_tables, starts,
-    ends, span, numba.get_num_threads(), out, zero)`; see `_decode`."""
+    ends, span, kernel_threads(), out, zero)`; see `_decode`."""
     return _decode_parallel if rows >= PARALLEL_MIN_ROWS else _decode_serial
 
 
@@ -311,14 +311,19 @@ def kernel_operands(stored: np.ndarray | StoredCodes) -> tuple[np.ndarray, np.nd
     return as_kernel_array(np.ascontiguousarray(stored)), _NO_SCALES, _NO_SCALES, FLOAT, 1
 
 
-def _decode(q, keys, values, block_tables, starts, ends, out, rows: int) -> None:
+def kernel_threads() -> int:
+    """The thread count the kernel sizes its per-thread scratch by: asked once per forward, not per layer."""
+    return numba.get_num_threads()
+
+
+def _decode(q, keys, values, block_tables, starts, ends, out, rows: int, threads: int) -> None:
     """`rows`: key rows in all (it picks the serial or the parallel kernel), known to the caller."""
     kc, ks, kz, kind, group = kernel_operands(keys)
     vc, vs, vz, value_kind, _ = kernel_operands(values)
     if value_kind != kind or kc.dtype != vc.dtype:
         raise ValueError("keys and values must be stored alike")
-    decode_kernel(rows)(q, kc, ks, kz, vc, vs, vz, kind, group, block_tables, starts, ends, SPAN,
-                        numba.get_num_threads(), out, q.dtype.type(0))
+    decode_kernel(rows)(q, kc, ks, kz, vc, vs, vz, kind, group, block_tables, starts, ends, SPAN, threads, out,
+                        q.dtype.type(0))
 
 
 def _scaled(q: np.ndarray, scale: float | None) -> np.ndarray:
@@ -371,13 +376,15 @@ class PagedDecodeCall:
         if any(not 0 <= start < end <= capacity for start, end in zip(starts, ends)):  # plain ints: a few rows
             _check_ranges(self.starts, self.ends, capacity)  # raises, naming them
         self.rows = (sum(ends) - sum(starts)) * kv_heads
+        self.threads = kernel_threads()
 
     def __call__(self, q: np.ndarray, k_blocks: np.ndarray | StoredCodes, v_blocks: np.ndarray | StoredCodes,
                  scale: float | None = None) -> np.ndarray:
         """One layer's attention [S, H_q, d] (its new K/V written already), as `paged_decode_attention`."""
         q = _scaled(q, scale)
         out = np.empty_like(q)
-        _decode(q, k_blocks, v_blocks, self.tables, self.starts, self.ends, out, rows=self.rows)
+        _decode(q, k_blocks, v_blocks, self.tables, self.starts, self.ends, out, rows=self.rows,
+                threads=self.threads)
         return out
 
 
@@ -394,7 +401,8 @@ def decode_attention(q: np.ndarray, keys: np.ndarray | StoredCodes, values: np.n
     q = _scaled(q, scale)
     out = np.empty_like(q)
     tables = np.arange(batch, dtype=np.int64)[:, None]
-    _decode(q, keys, values, tables, starts, ends, out, rows=batch * kv_heads * (end - start))
+    _decode(q, keys, values, tables, starts, ends, out, rows=batch * kv_heads * (end - start),
+            threads=kernel_threads())
     return out
 
 

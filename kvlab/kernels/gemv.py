@@ -194,6 +194,9 @@ def silu_times_up(gate_up, out, inter):
         out[k] = gate_up[k] / (1 + out[k]) * gate_up[inter + k]
 
 
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
 @njit(cache=True)
 def _geglu_rows(gate_up, out):
     """out = gelu_tanh(gate) * up (layers.geglu), element by element in float64: no vector code whose
@@ -204,9 +207,6 @@ def _geglu_rows(gate_up, out):
             g = np.float64(gate_up[m, k])
             inner = (g * g * 0.044715 + 1.0) * g * _SQRT_2_OVER_PI
             out[m, k] = (math.tanh(inner) + 1.0) * g * 0.5 * gate_up[m, inter + k]
-
-
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
 def gated(gate_up: np.ndarray, gelu: bool) -> np.ndarray:

@@ -48,12 +48,14 @@ def check_load_activations(name: object) -> str:
     return check_activations(name)
 
 
-def default_activations(quantized: bool, backend: str, soft_capped: bool = False) -> str:
+def default_activations(quantized: bool, backend: str, config: object = None) -> str:
     """"auto" resolved for a loaded model: int8 activations where it keeps block-quantized matrices and runs
     the compiled kernels (llama.cpp's arithmetic, and its speed); exact products otherwise: float and half
     weights have no integer kernels, the NumPy backend is the plain reference, and attention with soft-capped
     scores (Gemma 2) runs NumPy's reference, not the batch-invariant kernel, so the mode could not be
-    verified there."""
+    verified there. `config`: the model's ModelConfig (None: not read yet, so not soft-capped as far as
+    anyone knows)."""
+    soft_capped = getattr(config, "attn_logit_softcapping", None) is not None
     return "q8" if quantized and backend == "numba" and not soft_capped else "float32"
 
 

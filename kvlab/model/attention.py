@@ -170,7 +170,7 @@ class _DecodeCall:
         heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.starts, self.ends = starts, ends
         self.kernel = kernels.decode_kernel(int((self.ends - self.starts).sum()) * kv_heads)
-        self.operands, self.span, self.threads = kernels.kernel_operands, kernels.SPAN, kernels.numba.get_num_threads
+        self.operands, self.span, self.threads = kernels.kernel_operands, kernels.SPAN, kernels.kernel_threads()
         # a contiguous cache: one block per sequence
         self.tables = np.arange(batch, dtype=np.int64)[:, None] if tables is None else tables
         self.scale, self.zero = dtype.type(config.attention_scale), dtype.type(0)
@@ -181,7 +181,7 @@ class _DecodeCall:
         kc, ks, kz, kind, group = self.operands(k4)
         vc, vs, vz, _, _ = self.operands(v4)
         self.kernel(q * self.scale, kc, ks, kz, vc, vs, vz, kind, group, self.tables, self.starts, self.ends,
-                    self.span, self.threads(), self.out, self.zero)
+                    self.span, self.threads, self.out, self.zero)
         return self.merged
 
 
@@ -340,11 +340,9 @@ class _PrefillCall:
         """seqs: the chunks' sequences in the batch; starts [S + 1]: the batch's row offsets; ranges[i]: the
         (lo, hi) [1, n] of sequence i's chunk (prefill_attention.key_ranges)."""
         self.kernels = kernels
-        self.rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in seqs])
+        self.rows, self.lo, self.hi = _chunk_rows(seqs, starts, ranges)
         lens = [starts[i + 1] - starts[i] for i in seqs]
         self.query_starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-        self.lo = np.concatenate([ranges[i][0][0] for i in seqs])
-        self.hi = np.concatenate([ranges[i][1][0] for i in seqs])
         self.tables = _padded(tables)
 
     def __call__(self, q: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray,
@@ -362,15 +360,21 @@ class _RowsCall:
                  block_size: int, kv_heads: int) -> None:
         from kvlab.kernels.attention import PagedDecodeCall
 
-        self.rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in seqs])
+        self.rows, lo, hi = _chunk_rows(seqs, starts, ranges)
         row_tables = _padded([tables[i] for i in seqs for _ in range(starts[i + 1] - starts[i])])
-        lo = np.concatenate([ranges[i][0][0] for i in seqs])
-        hi = np.concatenate([ranges[i][1][0] for i in seqs])
         self.call = PagedDecodeCall(row_tables, hi, lo, block_size, kv_heads)
 
     def __call__(self, q: np.ndarray, key_cache: object, value_cache: object,
                  scale: float | None = None) -> np.ndarray:
         return self.call(q[self.rows], _stored(key_cache), _stored(value_cache), scale)
+
+
+def _chunk_rows(seqs: list[int], starts: np.ndarray, ranges: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The prefill chunks' rows of the flat batch and each row's key range lo..hi-1, chunk after chunk."""
+    rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in seqs])
+    lo = np.concatenate([ranges[i][0][0] for i in seqs])
+    hi = np.concatenate([ranges[i][1][0] for i in seqs])
+    return rows, lo, hi
 
 
 def _padded(tables: list[list[int]]) -> np.ndarray:

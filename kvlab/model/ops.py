@@ -271,16 +271,16 @@ class QuantizedOps(CompiledOps):
         self.activations = activations
         if activations == "q8":  # the integer products beat bands + BLAS at any row count: one path for all
             self.max_fused_rows = 1 << 62
-            # and a row's integer sums and float32 steps (norms, activations: compiled row by row) are the
-            # same whatever rows run beside it: with batch-invariant attention, a prefill gives each row a
-            # decode step's bits (the rounding's input computed in one order on every path, so `kvlab verify`
-            # holds this lossy mode to equality), where every layer matrix is quantized (bind)
-            self.batch_invariant = True
 
     def bind(self, layers: Sequence[Any]) -> list[Any]:
         from kvlab.model.quantized import QuantizedMatrix
 
-        if self.activations == "q8":  # a float matrix among them: BLAS for a prefill, a gemv kernel for a decode
+        # int8 activations: a row's integer sums and float32 steps (norms, activations: compiled row by row)
+        # are the same whatever rows run beside it, so with batch-invariant attention a prefill gives each row
+        # a decode step's bits (the rounding's input computed in one order on every path: `kvlab verify` holds
+        # this lossy mode to equality); not where a layer keeps a float matrix (BLAS for a prefill, a gemv
+        # kernel for a decode)
+        if self.activations == "q8":
             self.batch_invariant = all(isinstance(getattr(layer, name), QuantizedLinear) for layer in layers
                                        for name in ("w_qkv", "w_o", "w_gate_up", "w_down"))
 
