@@ -71,7 +71,7 @@ def test_compiled_rounding_has_the_references_bits(case):
 
     x, group = case
     q, d = round_activations(x, group)
-    xq, dx, qsum, fsum = round_rows(x, group)
+    xq, dx, qsum, fsum = round_rows(x, group, 1)  # bias 1: the sums themselves
     assert np.array_equal(xq, q) and np.array_equal(dx, d, equal_nan=True)
     assert np.array_equal(qsum, q.reshape(*d.shape, group).astype(np.int32).sum(axis=-1))
     assert np.array_equal(fsum, d * qsum.astype(np.float32), equal_nan=True)
@@ -141,8 +141,8 @@ def test_both_code_paths_of_the_integer_kernel(monkeypatch, vnni):
     monkeypatch.setattr(qdot, "VNNI", vnni)
 
     @njit  # not cached: compiled with the flag as set now
-    def first_tile(xq, dx, qsum, fsum, codes, scales, offsets, bias, out):
-        qdot.tile_dot_2(xq, 0, dx, qsum, fsum, codes, scales, offsets, bias, 0, out)
+    def first_tile(xq, dx, qbias, fsum, codes, scales, offsets, out):
+        qdot.tile_dot_2(xq, 0, dx, qbias, fsum, codes, scales, offsets, 0, out)
 
     rng = np.random.default_rng(1)
     # int8 codes with float16 scales (as bits); nibbles with offsets; Q4_0's offsets folded; K types float32
@@ -154,7 +154,7 @@ def test_both_code_paths_of_the_integer_kernel(monkeypatch, vnni):
         out = np.empty((2, 8), dtype=np.float32)
         layout = matrix.dot_layout
         assert layout[1].dtype == scale_dtype and layout[3] == bias and (layout[2].size == 0) == (bias != 0)
-        first_tile(*round_rows(x, matrix.group), *layout, out)
+        first_tile(*round_rows(x, matrix.group, layout[3]), *layout[:3], out)
         want = rounded(x, matrix.group).astype(np.float64) @ matrix.dequantize(np.float64).T
         assert np.allclose(out, want, rtol=1e-5, atol=1e-6 * np.abs(want).max()), type_name
         asm = "\n".join(first_tile.inspect_asm().values())

@@ -15,8 +15,8 @@ are rows, as in the float kernels. vpdpbusd wants one unsigned operand: nibbles 
 0..15 already (low nibbles, then `>> 4` for the high ones); int8 codes are flipped to `code + 128` by an
 XOR with 0x80, and the group's `bias * sum(q)` is taken off before the int32 sum becomes float: bias 128
 for int8 codes, 8 for Q4_0's nibbles, whose offset (-8 * scale) is folded in so that it is not read, else
-0. Per group and row: `total += (scale * dx) * float(dot - bias * sum(q)) (+ offset * dx * sum(q))`. No
-int32 sum can overflow: a group of 32 is at most 32 * 255 * 127. Scales are float16 where the file's are
+0. Per group and row: `total = fma(scale, dx * float(dot - bias * sum(q)), total)`, then
+`+ offset * dx * sum(q)`. No int32 sum can overflow: a group of 32 is at most 32 * 255 * 127. Scales are float16 where the file's are
 (every type but the K types, whose scale is a product): 2 bytes a group and 8 rows fewer to read, widened
 by one instruction (vcvtph2ps).
 
@@ -24,11 +24,16 @@ Where the CPU has no VNNI (AVX2-only parts such as Zen 3), the same IR multiplie
 and adds the four columns with shuffles: exact, slower. The choice is made from the features numba
 compiles for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES or the host's).
 
-`tile_dot_R(xq, m0, dx, qsum, fsum, codes, scales, offsets, bias, t, out)` (R = 1..4 rows of x) writes
-out[m0:m0+R, 8t:8t+8]: xq int8 [M, K], dx float32 [M, G] the groups' scales, qsum int32 [M, G] the sums
-of the int8 values, fsum float32 [M, G] = dx * qsum (read only when offsets has rows), codes int8 or
-uint8 (nibbles) [T, G, bytes], scales float32 or float16 bits (uint16) and offsets float32 [T, G*8] (as
-for the float kernels), bias an int (above).
+`tile_dot_R(xq, m0, dx, qbias, fsum, codes, scales, offsets, t, out)` (R = 1..4 or 8 rows of x) writes
+out[m0:m0+R, 8t:8t+8]: xq int8 [M, K], dx float32 [M, G] the groups' scales, qbias int32 [M, G] = bias *
+the sums of the int8 values (taken off each group's int32 dot, one broadcast subtraction), fsum float32
+[M, G] = dx * sum (read only when offsets has rows), codes int8 or uint8 (nibbles) [T, G, bytes], scales
+float32 or float16 bits (uint16) and offsets float32 [T, G*8] (as for the float kernels). Per group and
+row the epilogue is four vector instructions: subtract qbias, convert, multiply by dx, fma by the scale
+into the row's total; every R computes a row the same way, so a row's bits do not depend on the rows
+beside it (tests/test_batch_invariant.py). Eight rows at once (where AVX-512 gives 32 registers: WIDE)
+read a tile's codes once for eight rows and keep eight independent vpdpbusd chains in flight: 1.2-1.4x
+the four-row blocks' products at 8-16 rows on Zen 4 (bench/bench_qdot_rows.py).
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
+
+from kvlab.kernels.qsimd import _fma
 
 LANES = 8
 QUAD = 4  # columns per int32 lane of one vpdpbusd
@@ -70,6 +77,8 @@ def has_vnni() -> bool:
 
 
 VNNI = has_vnni()
+# eight rows of x at once need ~20 vector registers: AVX-512 has 32 (ymm16-31 with VL), AVX2 16
+WIDE = "+avx512vl" in set(_target_features().split(","))
 
 
 def _splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.Value:
@@ -98,23 +107,29 @@ def _load(builder: ir.IRBuilder, base: ir.Value, index: ir.Value, ty: ir.Type) -
 
 
 def _make_tile_dot(rows: int):
+    # vpdpbusd's latency is ~4 cycles at two a cycle: eight independent chains keep it busy, so a row of
+    # x gets 8 / rows accumulators (int32 sums are exact: how many there are changes no bit), and the
+    # loop takes enough quads a step to feed them
+    accs = 1 if rows >= 8 else 2
 
     @intrinsic
-    def tile_dot(typingctx, xq, m0, dx, qsum, fsum, codes, scales, offsets, bias, t, out):
+    def tile_dot(typingctx, xq, m0, dx, qbias, fsum, codes, scales, offsets, t, out):
         signed = codes.dtype == types.int8
         if not signed and codes.dtype != types.uint8:
             return None
         if scales.dtype not in (types.uint16, types.float32):  # uint16: float16 bits (numba has no float16)
             return None
+        if qbias.dtype != types.int32:
+            return None
         half_scales = scales.dtype == types.uint16
-        sig = types.void(xq, m0, dx, qsum, fsum, codes, scales, offsets, bias, t, out)
+        sig = types.void(xq, m0, dx, qbias, fsum, codes, scales, offsets, t, out)
 
         def codegen(context, builder, signature, args):
-            xa, m0v, dxa, qsa, fsa, ca, sa, oa, biasv, tv, outa = args
-            xs, dxs, qss, fss, cs, ss, os_, outs = [
+            xa, m0v, dxa, qba, fsa, ca, sa, oa, tv, outa = args
+            xs, dxs, qbs, fss, cs, ss, os_, outs = [
                 cgutils.create_struct_proxy(ty)(context, builder, value=v)
-                for ty, v in zip([signature.args[i] for i in (0, 2, 3, 4, 5, 6, 7, 10)],
-                                 (xa, dxa, qsa, fsa, ca, sa, oa, outa))]
+                for ty, v in zip([signature.args[i] for i in (0, 2, 3, 4, 5, 6, 7, 9)],
+                                 (xa, dxa, qba, fsa, ca, sa, oa, outa))]
             intp = context.get_value_type(types.intp)
 
             def const(v: int) -> ir.Value:
@@ -128,8 +143,6 @@ def _make_tile_dot(rows: int):
             has_offsets = builder.icmp_signed(">", cgutils.unpack_tuple(builder, os_.shape)[0], const(0))
             m0_v = builder.sext(m0v, intp) if m0v.type != intp else m0v
             t_v = builder.sext(tv, intp) if tv.type != intp else tv
-            bias_v = builder.trunc(biasv, _I32) if biasv.type.width > 32 else builder.sext(biasv, _I32) \
-                if biasv.type.width < 32 else biasv
             quads = builder.udiv(group_bytes, const(LANES * QUAD))
             group = builder.udiv(group_bytes, const(LANES if signed else LANES // 2))  # columns a group
             half = builder.lshr(group, const(1))
@@ -142,7 +155,7 @@ def _make_tile_dot(rows: int):
             zero_i = ir.Constant(_V8I32, [0] * LANES)
             zero_f = ir.Constant(_V8F, [0.0] * LANES)
             total = [cgutils.alloca_once_value(builder, zero_f) for _ in range(rows)]
-            acc = [[cgutils.alloca_once_value(builder, zero_i) for _ in range(UNROLL)] for _ in range(rows)]
+            acc = [[cgutils.alloca_once_value(builder, zero_i) for _ in range(accs)] for _ in range(rows)]
             flip = ir.Constant(_V32I8, [0x80] * (LANES * QUAD))
             low_mask = ir.Constant(_V32I8, [0x0F] * (LANES * QUAD))
             four = ir.Constant(_V32I8, [4] * (LANES * QUAD))
@@ -153,22 +166,26 @@ def _make_tile_dot(rows: int):
                         builder.store(zero_i, a)
                 codes_g = builder.gep(code_base, [builder.mul(g, group_bytes)])
                 k0 = builder.mul(g, group)
-                with cgutils.for_range(builder, builder.udiv(quads, const(UNROLL))) as q_loop:
-                    for u in range(UNROLL):
-                        q = builder.add(builder.mul(q_loop.index, const(UNROLL)), const(u))
-                        raw = _load(builder, codes_g, builder.mul(q, const(LANES * QUAD)), _V32I8)
-                        k = builder.add(k0, builder.mul(q, const(QUAD)))
-                        if signed:
-                            parts = [(builder.xor(raw, flip), k)]
-                        else:
-                            parts = [(builder.and_(raw, low_mask), k), (builder.lshr(raw, four), builder.add(k, half))]
+                def products(q: ir.Value, first: int) -> int:
+                    """The products of quad load q into the accumulators from `first` on (round robin)."""
+                    raw = _load(builder, codes_g, builder.mul(q, const(LANES * QUAD)), _V32I8)
+                    k = builder.add(k0, builder.mul(q, const(QUAD)))
+                    if signed:
+                        parts = [(builder.xor(raw, flip), k)]
+                    else:
+                        parts = [(builder.and_(raw, low_mask), k), (builder.lshr(raw, four), builder.add(k, half))]
+                    for codes4, kk in parts:
                         for i in range(rows):
-                            a = acc[i][u]
-                            value = builder.load(a)
-                            for codes4, kk in parts:
-                                x4 = _load(builder, x_rows[i], kk, _I32)
-                                value = _dpbusd(builder, value, codes4, x4)
-                            builder.store(value, a)
+                            a = acc[i][first % accs]
+                            x4 = _load(builder, x_rows[i], kk, _I32)
+                            builder.store(_dpbusd(builder, builder.load(a), codes4, x4), a)
+                        first += 1
+                    return first
+
+                with cgutils.for_range(builder, builder.udiv(quads, const(UNROLL))) as q_loop:
+                    first = 0
+                    for u in range(UNROLL):
+                        first = products(builder.add(builder.mul(q_loop.index, const(UNROLL)), const(u)), first)
                 lane0 = builder.mul(g, const(LANES))
                 scale = builder.fpext(builder.bitcast(_load(builder, scale_base, lane0, _V8I16), _V8H), _V8F) \
                     if half_scales else _load(builder, scale_base, lane0, _V8F)
@@ -177,18 +194,17 @@ def _make_tile_dot(rows: int):
                     for a in acc[i][1:]:
                         dot = builder.add(dot, builder.load(a))
                     at = builder.add(sum_ix[i], g)
-                    # the codes went in as code + bias (int8 codes: + 128; Q4_0's nibbles: its -8 folded in)
-                    qs = builder.load(builder.gep(qss.data, [at]))
-                    dot = builder.sub(dot, _splat(builder, builder.mul(qs, bias_v), _V8I32))
+                    # the codes went in as code + bias (int8 codes: + 128; Q4_0's nibbles: its -8 folded in):
+                    # qbias = bias * sum(q), taken off in int32 (exact)
+                    dot = builder.sub(dot, _splat(builder, builder.load(builder.gep(qbs.data, [at])), _V8I32))
                     dxi = _splat(builder, builder.load(builder.gep(dxs.data, [at])), _V8F)
-                    scaled = builder.fmul(scale, dxi)
-                    builder.store(builder.fadd(builder.load(total[i]), builder.fmul(scaled, builder.sitofp(dot, _V8F))),
-                                  total[i])
+                    builder.store(_fma(builder, scale, builder.fmul(builder.sitofp(dot, _V8F), dxi),
+                                       builder.load(total[i])), total[i])
                 with builder.if_then(has_offsets, likely=True):
                     offset = _load(builder, offset_base, lane0, _V8F)
                     for i in range(rows):
                         fs = _splat(builder, builder.load(builder.gep(fss.data, [builder.add(sum_ix[i], g)])), _V8F)
-                        builder.store(builder.fadd(builder.load(total[i]), builder.fmul(offset, fs)), total[i])
+                        builder.store(_fma(builder, offset, fs, builder.load(total[i])), total[i])
             n0 = builder.mul(t_v, const(LANES))
             for i in range(rows):
                 row = builder.gep(outs.data, [builder.add(builder.mul(row_ix[i], n_out), n0)])
@@ -204,3 +220,4 @@ tile_dot_1 = _make_tile_dot(1)
 tile_dot_2 = _make_tile_dot(2)
 tile_dot_3 = _make_tile_dot(3)
 tile_dot_4 = _make_tile_dot(4)
+tile_dot_8 = _make_tile_dot(8)

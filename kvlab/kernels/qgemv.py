@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from kvlab.kernels.qdot import tile_dot_1, tile_dot_2, tile_dot_3, tile_dot_4
+from kvlab.kernels.qdot import WIDE, tile_dot_1, tile_dot_2, tile_dot_3, tile_dot_4, tile_dot_8
 from kvlab.kernels.qsimd import tile_product_1, tile_product_2, tile_product_3, tile_product_4
 
 FASTMATH = {"reassoc", "contract"}
@@ -99,81 +99,95 @@ def _qmatmul(x, xsum, t_xsum, codes, scales, offsets, t_codes, t_scales, t_offse
 
 
 # --- activations rounded to int8 (model/act_quant.py's mode "q8"): integer dot products (kernels/qdot.py) ---
+ABS_BITS = np.int32(0x7FFFFFFF)
+INF_BITS = np.int32(0x7F800000)
+
+
 @njit(cache=True)
-def round_rows_into(x, group, xq, dx, qsum, fsum):
+def round_rows_into(x, group, bias, xq, dx, qbias, fsum):
     """x [M, K] rounded per group as model/act_quant.round_activations does (the same float32 steps):
-    xq int8 [M, K], dx [M, G] the scales, qsum int32 [M, G] the sums of xq, fsum = dx * qsum."""
+    xq int8 [M, K], dx [M, G] the scales, qbias int32 [M, G] = bias * the sums of xq (what the codes' bias
+    adds to a group's integer dot: kernels/qdot.py), fsum = dx * the sums.
+    A group's largest magnitude is found on the float32 bits (sign cleared, a non-negative float orders
+    as its bits do, and inf and NaN above every finite value): an integer max the loop vectorises,
+    which tells a non-finite group apart in the same pass (it rounds to zero with scale NaN)."""
+    xc = np.ascontiguousarray(x)
+    bits = xc.view(np.int32)
+    box = np.zeros(1, dtype=np.int32)
+    boxf = box.view(np.float32)
     for m in range(x.shape[0]):
         for g in range(dx.shape[1]):
             k0 = g * group
-            amax = np.float32(0)
-            finite = True
+            top = np.int32(0)
             for j in range(group):
-                v = x[m, k0 + j]
-                if np.isfinite(v):
-                    amax = max(amax, abs(v))
-                else:
-                    finite = False
-            d = amax / np.float32(127)
-            inv = np.float32(0)
-            if d > 0:
-                inv = np.float32(1) / d
-            if not np.isfinite(inv):  # d underflowed: the group rounds to zero
-                inv = np.float32(0)
-                d = np.float32(0)
-            if not finite:
-                d = np.float32(np.nan)
+                top = max(top, bits[m, k0 + j] & ABS_BITS)
             total = np.int32(0)
-            for j in range(group):
-                v = x[m, k0 + j]
-                q = np.int32(0)
-                if finite:
-                    q = np.int32(min(max(np.rint(v * inv), np.float32(-127)), np.float32(127)))
-                xq[m, k0 + j] = np.int8(q)
-                total += q
+            if top >= INF_BITS:  # inf or NaN in the group
+                for j in range(group):
+                    xq[m, k0 + j] = 0
+                d = np.float32(np.nan)
+            else:
+                box[0] = top
+                d = boxf[0] / np.float32(127)
+                inv = np.float32(0)
+                if d > 0:
+                    inv = np.float32(1) / d
+                if not np.isfinite(inv):  # d underflowed: the group rounds to zero
+                    inv = np.float32(0)
+                    d = np.float32(0)
+                for j in range(group):
+                    q = min(max(np.rint(xc[m, k0 + j] * inv), np.float32(-127)), np.float32(127))
+                    xq[m, k0 + j] = np.int8(q)
+                    total += np.int32(q)
             dx[m, g] = d
-            qsum[m, g] = total
+            qbias[m, g] = bias * total
             fsum[m, g] = d * np.float32(total)
 
 
 @njit(cache=True)
-def round_rows(x, group):
-    """(xq, dx, qsum, fsum) of `round_rows_into` for x [M, K] float32."""
+def round_rows(x, group, bias):
+    """(xq, dx, qbias, fsum) of `round_rows_into` for x [M, K] float32."""
     rows, groups = x.shape[0], x.shape[1] // group
     xq = np.empty(x.shape, dtype=np.int8)
     dx = np.empty((rows, groups), dtype=np.float32)
-    qsum = np.empty((rows, groups), dtype=np.int32)
+    qbias = np.empty((rows, groups), dtype=np.int32)
     fsum = np.empty((rows, groups), dtype=np.float32)
-    round_rows_into(x, group, xq, dx, qsum, fsum)
-    return xq, dx, qsum, fsum
+    round_rows_into(x, group, np.int32(bias), xq, dx, qbias, fsum)
+    return xq, dx, qbias, fsum
 
 
 @njit(cache=True, inline="always")
-def dot_tile(xq, dx, qsum, fsum, codes, scales, offsets, bias, out, t):
-    """out[:, 8t:8t+8] = the rounded rows of x @ (tile t's eight rows).T, in integer dot products."""
+def dot_tile(xq, dx, qbias, fsum, codes, scales, offsets, out, t):
+    """out[:, 8t:8t+8] = the rounded rows of x @ (tile t's eight rows).T, in integer dot products: rows of x
+    eight at a time where the CPU has 32 vector registers (qdot.WIDE), then four, then what is left. Every
+    block size computes a row the same way (batch-invariant: kernels/qdot.py)."""
     rows = xq.shape[0]
     m = 0
+    if WIDE:
+        while m + 8 <= rows:
+            tile_dot_8(xq, m, dx, qbias, fsum, codes, scales, offsets, t, out)
+            m += 8
     while m + 4 <= rows:
-        tile_dot_4(xq, m, dx, qsum, fsum, codes, scales, offsets, bias, t, out)
+        tile_dot_4(xq, m, dx, qbias, fsum, codes, scales, offsets, t, out)
         m += 4
     left = rows - m
     if left == 1:
-        tile_dot_1(xq, m, dx, qsum, fsum, codes, scales, offsets, bias, t, out)
+        tile_dot_1(xq, m, dx, qbias, fsum, codes, scales, offsets, t, out)
     elif left == 2:
-        tile_dot_2(xq, m, dx, qsum, fsum, codes, scales, offsets, bias, t, out)
+        tile_dot_2(xq, m, dx, qbias, fsum, codes, scales, offsets, t, out)
     elif left == 3:
-        tile_dot_3(xq, m, dx, qsum, fsum, codes, scales, offsets, bias, t, out)
+        tile_dot_3(xq, m, dx, qbias, fsum, codes, scales, offsets, t, out)
 
 
 @njit(parallel=True, cache=True)
 def dot_product(x, w, out):
     """out = x @ W.T with x rounded to int8 per group (`round_rows`) and integer dot products, W as the
     tuple `dot_kernel_args` makes; tiles over the threads, the tail on the last index."""
-    xq, dx, qsum, fsum = round_rows(x, w[6])
+    xq, dx, qbias, fsum = round_rows(x, w[6], w[7])
     tiles = w[0].shape[0]
     for t in prange(tiles + 1):
         if t < tiles:
-            dot_tile(xq, dx, qsum, fsum, w[0], w[1], w[2], w[7], out, t)
+            dot_tile(xq, dx, qbias, fsum, w[0], w[1], w[2], out, t)
         else:
             tail_rows(xq, fsum, w[3], w[4], w[5], w[6], out, tiles * 8, dx)
 
