@@ -93,7 +93,7 @@ def weight_bytes(model) -> dict[str, int]:
                     add("scales+offsets", part.offsets)
             if w._dot is not None:
                 add("codes", w._dot[0])
-                for array in w._dot[1:3]:
+                for array in (*w._dot[1:3], *w._dot[4:]):
                     add("scales+offsets", array)
         elif isinstance(w, np.ndarray):
             add("float matrices" if w.ndim == 2 else "float vectors", w)

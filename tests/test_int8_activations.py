@@ -141,20 +141,21 @@ def test_both_code_paths_of_the_integer_kernel(monkeypatch, vnni):
     monkeypatch.setattr(qdot, "VNNI", vnni)
 
     @njit  # not cached: compiled with the flag as set now
-    def first_tile(xq, dx, qbias, fsum, codes, scales, offsets, out):
-        qdot.tile_dot_2(xq, 0, dx, qbias, fsum, codes, scales, offsets, 0, out)
+    def first_tile(xq, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, out):
+        qdot.tile_dot_2(xq, 0, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, 0, out)
 
     rng = np.random.default_rng(1)
-    # int8 codes with float16 scales (as bits); nibbles with offsets; Q4_0's offsets folded; K types float32
+    # int8 codes with float16 scales (as bits); nibbles with offsets; Q4_0's offsets folded; K types' scales
+    # (and Q4_K's offsets) factored: int8 a group times a float32 base a super-block
     for type_name, scale_dtype, bias in (("Q8_0", np.uint16, 128), ("Q4_1", np.uint16, 0),
-                                         ("Q4_0", np.uint16, 8), ("Q6_K", np.float32, 128)):
+                                         ("Q4_0", np.uint16, 8), ("Q6_K", np.int8, 128), ("Q4_K", np.int8, 0)):
         raw = blocks(type_name, 8, 256, rng, "normal")
         matrix = QuantizedMatrix.from_blocks(type_name, raw, (8, 256))
         x = rng.standard_normal((2, 256)).astype(np.float32)
         out = np.empty((2, 8), dtype=np.float32)
         layout = matrix.dot_layout
         assert layout[1].dtype == scale_dtype and layout[3] == bias and (layout[2].size == 0) == (bias != 0)
-        first_tile(*round_rows(x, matrix.group, layout[3]), *layout[:3], out)
+        first_tile(*round_rows(x, matrix.group, layout[3]), *layout[:3], *layout[4:], out)
         want = rounded(x, matrix.group).astype(np.float64) @ matrix.dequantize(np.float64).T
         assert np.allclose(out, want, rtol=1e-5, atol=1e-6 * np.abs(want).max()), type_name
         asm = "\n".join(first_tile.inspect_asm().values())

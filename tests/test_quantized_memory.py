@@ -18,7 +18,7 @@ from kvlab.model.quantized import QUANTIZE_TYPES, QuantizedMatrix, predicted_byt
 
 def unique_bytes(matrix: QuantizedMatrix) -> int:
     """Bytes of the memory blocks the matrix's arrays keep alive (each base array once)."""
-    arrays = [*(matrix._dot[:3] if matrix._tiles is None else
+    arrays = [*((*matrix._dot[:3], *matrix._dot[4:]) if matrix._tiles is None else
                 (matrix._tiles.codes, matrix._tiles.scales, matrix._tiles.offsets)),
               matrix.tail.codes, matrix.tail.scales, matrix.tail.offsets]
     bases = {}
@@ -203,3 +203,53 @@ def test_q4_0s_folded_offsets_compute_the_bits_of_stored_ones(rows, out, blocks,
         dequantize_tiles_t(w.tiles, 0, t.scales.shape[0], band)
     assert np.array_equal(bands[0].view(np.uint32), bands[1].view(np.uint32))
     assert np.array_equal(folded.dequantize(), stored.dequantize())
+
+
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_k_types_keep_their_scales_factored_in_the_integer_layout(type_name):
+    """A K type's scales (float16 d times a small sub-block scale) are kept by the integer kernels' layout as
+    an int8 a group and a float32 base a super-block and row: `kvlab memory` predicts those bytes before any
+    conversion, the rows and the float layout read back the same float32 values, and a Q4_K matrix keeps
+    about the file's bytes (float32 scales and offsets took 1.33x)."""
+    from gguf_files import blocks
+
+    rows, cols = 21, 512  # two whole tiles and a tail of five rows
+    matrix = QuantizedMatrix.from_blocks(type_name, blocks(type_name, rows, cols, np.random.default_rng(3), "mixed"),
+                                         (rows, cols))
+    before = matrix.unpacked
+    predicted = matrix.resident_bytes("q8")
+    assert predicted == predicted_bytes(type_name, (rows, cols), "q8")
+    layout = matrix.dot_layout
+    assert layout[1].dtype == np.int8 and layout[4].shape == (2, cols // 256 * 8)
+    assert matrix.nbytes == predicted
+    after = matrix.rows(np.array([20, 3, 9, 3]))  # tail and tile rows, one twice, read from the dot layout
+    for field in ("codes", "scales", "offsets"):
+        want = getattr(before, field)
+        got = getattr(after, field)
+        assert (want is None and got is None) or np.array_equal(got, want[[20, 3, 9, 3]]), field
+    back = matrix.unpacked  # the float layout again, rebuilt from the factored scales
+    assert np.array_equal(back.scales, before.scales) and np.array_equal(back.codes, before.codes)
+    assert (before.offsets is None) == (back.offsets is None)
+    assert before.offsets is None or np.array_equal(back.offsets, before.offsets)
+    if type_name == "Q4_K":
+        assert predicted_bytes(type_name, (4096, 4096), "q8") <= 1.06 * (4096 * 4096 // 256 * 144)
+
+
+@settings(max_examples=200, deadline=None)
+@given(d=st.floats(-65504, 65504, width=16, allow_nan=False, allow_infinity=False),
+       sc=st.lists(st.integers(-128, 127), min_size=16, max_size=16), per=st.sampled_from([8, 16]))
+def test_factored_scales_are_the_same_float32_values(d, sc, per):
+    """d * sc (exact in float32) factors back into int8s and one base whose float32 product is every value
+    bit for bit, the ints no larger than the sub-block scales; the tiled layout [T, G * 8] is respected."""
+    from kvlab.model.qtiles import expand_scales, factor_scales
+
+    ints = np.array(sc[:per], dtype=np.float32)
+    values = (np.float32(d) * ints)[None, :, None] * np.ones((1, 1, 8), dtype=np.float32)  # 8 lanes alike
+    values[..., 3] *= np.float32(-1)  # a lane with the other sign
+    tiled = np.ascontiguousarray(values.reshape(1, per * 8))
+    factored = factor_scales(tiled, per)
+    assert factored is not None
+    got, base = factored
+    assert got.dtype == np.int8 and base.shape == (1, 8)
+    assert np.array_equal(expand_scales(got, base), tiled)
+    assert np.abs(got.astype(np.int32)).max(initial=0) <= np.abs(ints).max(initial=0)

@@ -16,9 +16,12 @@ are rows, as in the float kernels. vpdpbusd wants one unsigned operand: nibbles 
 XOR with 0x80, and the group's `bias * sum(q)` is taken off before the int32 sum becomes float: bias 128
 for int8 codes, 8 for Q4_0's nibbles, whose offset (-8 * scale) is folded in so that it is not read, else
 0. Per group and row: `total = fma(scale, dx * float(dot - bias * sum(q)), total)`, then
-`+ offset * dx * sum(q)`. No int32 sum can overflow: a group of 32 is at most 32 * 255 * 127. Scales are float16 where the file's are
-(every type but the K types, whose scale is a product): 2 bytes a group and 8 rows fewer to read, widened
-by one instruction (vcvtph2ps).
+`+ offset * dx * sum(q)`. No int32 sum can overflow: a group of 32 is at most 32 * 255 * 127. Scales are
+float16 where the file's are (every type but the K types): 2 bytes a group and 8 rows, widened by one
+instruction (vcvtph2ps). A K type's scale is a product (float16 d times a 6- or 8-bit sub-block scale):
+it comes as an int8 a group times a float32 base a super-block (model/qtiles.factor_scales), and the
+kernel rebuilds the same float32 scale as base * float(int), exact: 1 byte a group and row instead of 4
+(Q4_K's scales and offsets were a third of its bytes), three instructions per group shared by the rows.
 
 Where the CPU has no VNNI (AVX2-only parts such as Zen 3), the same IR multiplies widened int32 vectors
 and adds the four columns with shuffles: exact, slower. The choice is made from the features numba
@@ -54,6 +57,7 @@ _F32 = ir.FloatType()
 _V8F = ir.VectorType(_F32, LANES)
 _V8H = ir.VectorType(ir.HalfType(), LANES)
 _V8I16 = ir.VectorType(ir.IntType(16), LANES)
+_V8I8 = ir.VectorType(_I8, LANES)
 _V8I32 = ir.VectorType(_I32, LANES)
 _V32I8 = ir.VectorType(_I8, LANES * QUAD)
 _V32I32 = ir.VectorType(_I32, LANES * QUAD)
@@ -113,23 +117,24 @@ def _make_tile_dot(rows: int):
     accs = 1 if rows >= 8 else 2
 
     @intrinsic
-    def tile_dot(typingctx, xq, m0, dx, qbias, fsum, codes, scales, offsets, t, out):
+    def tile_dot(typingctx, xq, m0, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, t, out):
         signed = codes.dtype == types.int8
         if not signed and codes.dtype != types.uint8:
             return None
-        if scales.dtype not in (types.uint16, types.float32):  # uint16: float16 bits (numba has no float16)
-            return None
-        if qbias.dtype != types.int32:
+        # uint16: float16 bits (numba has no float16); int8: a K type's factored scales (times base_scales)
+        if scales.dtype not in (types.uint16, types.float32, types.int8) or qbias.dtype != types.int32:
             return None
         half_scales = scales.dtype == types.uint16
-        sig = types.void(xq, m0, dx, qbias, fsum, codes, scales, offsets, t, out)
+        factored = scales.dtype == types.int8
+        factored_offsets = offsets.dtype == types.int8
+        sig = types.void(xq, m0, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, t, out)
 
         def codegen(context, builder, signature, args):
-            xa, m0v, dxa, qba, fsa, ca, sa, oa, tv, outa = args
-            xs, dxs, qbs, fss, cs, ss, os_, outs = [
+            xa, m0v, dxa, qba, fsa, ca, sa, oa, bsa, boa, tv, outa = args
+            xs, dxs, qbs, fss, cs, ss, os_, bss, bos, outs = [
                 cgutils.create_struct_proxy(ty)(context, builder, value=v)
-                for ty, v in zip([signature.args[i] for i in (0, 2, 3, 4, 5, 6, 7, 9)],
-                                 (xa, dxa, qba, fsa, ca, sa, oa, outa))]
+                for ty, v in zip([signature.args[i] for i in (0, 2, 3, 4, 5, 6, 7, 8, 9, 11)],
+                                 (xa, dxa, qba, fsa, ca, sa, oa, bsa, boa, outa))]
             intp = context.get_value_type(types.intp)
 
             def const(v: int) -> ir.Value:
@@ -149,6 +154,28 @@ def _make_tile_dot(rows: int):
             code_base = builder.gep(cs.data, [builder.mul(builder.mul(t_v, n_groups), group_bytes)])
             scale_base = builder.gep(ss.data, [builder.mul(t_v, scale_row)])
             offset_base = builder.gep(os_.data, [builder.mul(t_v, scale_row)])
+            base_row = cgutils.unpack_tuple(builder, bss.shape)[1]
+            base_scale_row = builder.gep(bss.data, [builder.mul(t_v, base_row)])
+            base_offset_row = builder.gep(bos.data, [builder.mul(t_v, base_row)])
+            # groups per super-block (a power of two: 8 or 16), as a shift; read only when factored
+            per_shift = None
+            if factored or factored_offsets:
+                per = builder.udiv(n_groups, builder.udiv(base_row, const(LANES)))
+                i64 = ir.IntType(64)
+                cttz = builder.module.globals.get("llvm.cttz.i64") or ir.Function(
+                    builder.module, ir.FunctionType(i64, [i64, ir.IntType(1)]), name="llvm.cttz.i64")
+                per_shift = builder.call(cttz, [per, ir.Constant(ir.IntType(1), 0)])
+
+            def lane_values(kind_int8: bool, kind_half: bool, row: ir.Value, base: ir.Value, lane0: ir.Value,
+                            g: ir.Value) -> ir.Value:
+                """The eight rows' scale (or offset) of group g as float32 lanes."""
+                if kind_int8:  # base (one per super-block and row) * the group's int: the float32 scale, exact
+                    ints = builder.sitofp(builder.sext(_load(builder, row, lane0, _V8I8), _V8I32), _V8F)
+                    block0 = builder.mul(builder.lshr(g, per_shift), const(LANES))
+                    return builder.fmul(_load(builder, base, block0, _V8F), ints)
+                if kind_half:
+                    return builder.fpext(builder.bitcast(_load(builder, row, lane0, _V8I16), _V8H), _V8F)
+                return _load(builder, row, lane0, _V8F)
             row_ix = [builder.add(m0_v, const(i)) for i in range(rows)]
             x_rows = [builder.gep(xs.data, [builder.mul(r, width)]) for r in row_ix]
             sum_ix = [builder.mul(r, sum_row) for r in row_ix]
@@ -187,8 +214,7 @@ def _make_tile_dot(rows: int):
                     for u in range(UNROLL):
                         first = products(builder.add(builder.mul(q_loop.index, const(UNROLL)), const(u)), first)
                 lane0 = builder.mul(g, const(LANES))
-                scale = builder.fpext(builder.bitcast(_load(builder, scale_base, lane0, _V8I16), _V8H), _V8F) \
-                    if half_scales else _load(builder, scale_base, lane0, _V8F)
+                scale = lane_values(factored, half_scales, scale_base, base_scale_row, lane0, g)
                 for i in range(rows):
                     dot = builder.load(acc[i][0])
                     for a in acc[i][1:]:
@@ -201,7 +227,7 @@ def _make_tile_dot(rows: int):
                     builder.store(_fma(builder, scale, builder.fmul(builder.sitofp(dot, _V8F), dxi),
                                        builder.load(total[i])), total[i])
                 with builder.if_then(has_offsets, likely=True):
-                    offset = _load(builder, offset_base, lane0, _V8F)
+                    offset = lane_values(factored_offsets, False, offset_base, base_offset_row, lane0, g)
                     for i in range(rows):
                         fs = _splat(builder, builder.load(builder.gep(fss.data, [builder.add(sum_ix[i], g)])), _V8F)
                         builder.store(_fma(builder, offset, fs, builder.load(total[i])), total[i])

@@ -157,7 +157,7 @@ def round_rows(x, group, bias):
 
 
 @njit(cache=True, inline="always")
-def dot_tile(xq, dx, qbias, fsum, codes, scales, offsets, out, t):
+def dot_tile(xq, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, out, t):
     """out[:, 8t:8t+8] = the rounded rows of x @ (tile t's eight rows).T, in integer dot products: rows of x
     eight at a time where the CPU has 32 vector registers (qdot.WIDE), then four, then what is left. Every
     block size computes a row the same way (batch-invariant: kernels/qdot.py)."""
@@ -165,18 +165,18 @@ def dot_tile(xq, dx, qbias, fsum, codes, scales, offsets, out, t):
     m = 0
     if WIDE:
         while m + 8 <= rows:
-            tile_dot_8(xq, m, dx, qbias, fsum, codes, scales, offsets, t, out)
+            tile_dot_8(xq, m, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, t, out)
             m += 8
     while m + 4 <= rows:
-        tile_dot_4(xq, m, dx, qbias, fsum, codes, scales, offsets, t, out)
+        tile_dot_4(xq, m, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, t, out)
         m += 4
     left = rows - m
     if left == 1:
-        tile_dot_1(xq, m, dx, qbias, fsum, codes, scales, offsets, t, out)
+        tile_dot_1(xq, m, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, t, out)
     elif left == 2:
-        tile_dot_2(xq, m, dx, qbias, fsum, codes, scales, offsets, t, out)
+        tile_dot_2(xq, m, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, t, out)
     elif left == 3:
-        tile_dot_3(xq, m, dx, qbias, fsum, codes, scales, offsets, t, out)
+        tile_dot_3(xq, m, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, t, out)
 
 
 @njit(parallel=True, cache=True)
@@ -187,18 +187,19 @@ def dot_product(x, w, out):
     tiles = w[0].shape[0]
     for t in prange(tiles + 1):
         if t < tiles:
-            dot_tile(xq, dx, qbias, fsum, w[0], w[1], w[2], out, t)
+            dot_tile(xq, dx, qbias, fsum, w[0], w[1], w[2], w[8], w[9], out, t)
         else:
             tail_rows(xq, fsum, w[3], w[4], w[5], w[6], out, tiles * 8, dx)
 
 
 def dot_kernel_args(layout: tuple, tail) -> tuple:
-    """(codes, scales, offsets, tail codes, tail scales, tail offsets, group, bias): a matrix as the integer
-    kernels take it, from its dot layout (QuantizedMatrix.dot_layout: codes, scales, offsets, bias) and
-    the row-ordered tail (read by `tail_rows` as the float kernels read it)."""
-    codes, scales, offsets, bias = layout
+    """(codes, scales, offsets, tail codes, tail scales, tail offsets, group, bias, base scales, base
+    offsets): a matrix as the integer kernels take it, from its dot layout (QuantizedMatrix.dot_layout:
+    codes, scales, offsets, bias, base scales, base offsets) and the row-ordered tail (read by `tail_rows`
+    as the float kernels read it)."""
+    codes, scales, offsets, bias, base_scales, base_offsets = layout
     return (codes, scales, offsets, tail.codes, tail.scales, NO_OFFSETS if tail.offsets is None else tail.offsets,
-            tail.group, bias)
+            tail.group, bias, base_scales, base_offsets)
 
 
 def qmatmul_dot(x: np.ndarray, layout: tuple, tail) -> np.ndarray:

@@ -119,3 +119,52 @@ def gather_rows(tiles: Unpacked, tail: Unpacked, index: np.ndarray) -> Unpacked:
 
     return Unpacked(take(tiles.codes, tail.codes), take(tiles.scales, tail.scales),
                     take(tiles.offsets, tail.offsets), tiles.group)
+
+
+def factor_scales(values: np.ndarray, per: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Tiled K-type scales (or offsets) [T, G * 8] float32 as (ints int8 [T, G * 8], base float32
+    [T, G / per * 8]) with base * ints == values exactly in float32, one base per super-block of `per`
+    groups and row; None where no such pair exists. Why: a K type's scale is the file's float16 d times
+    a small integer sub-block scale (d * sc, exact in float32, rarely in float16), so keeping the integer
+    and one float per 256 weights costs 1 byte a group instead of 4, and the kernel's product
+    base * float(int) rebuilds the same float32 scale bit for bit. The pair is found without the file's
+    d: base = the greatest common divisor of the super-block's odd mantissas times its lowest power of
+    two, so every int is the sub-block scale over a common factor, no larger than it."""
+    tiles, width = values.shape
+    if width % (per * LANES) or tiles == 0:
+        return None
+    v = values.astype(np.float32).reshape(tiles, width // (per * LANES), per, LANES)
+    mantissa, exponent = np.frexp(v.astype(np.float64))
+    whole = (mantissa * 2.0 ** 24).astype(np.int64)  # exact: a float32's significand has 24 bits
+    power = exponent.astype(np.int64) - 24
+    low = np.where(whole != 0, whole & -whole, 1)  # the lowest set bit: strip the trailing zeros
+    shift = np.log2(low).astype(np.int64)
+    odd, power = whole >> shift, power + shift
+    nonzero = whole != 0
+    common = np.gcd.reduce(np.abs(odd), axis=2, keepdims=True)
+    lowest = np.where(nonzero, power, np.iinfo(np.int64).max).min(axis=2, keepdims=True)
+    lowest = np.where(common == 0, 0, lowest)
+    base = np.ldexp(common.astype(np.float64), lowest)
+    steps = np.where(nonzero, power - lowest, 0)
+    if steps.max(initial=0) > 7:
+        return None
+    ints = np.where(nonzero, (odd // np.maximum(common, 1)) << steps, 0)
+    # int8 holds -128 but not 128: a super-block whose ints reach 128 (a negative d times sc = -128) flips
+    # the sign of its base
+    flip = (ints.max(axis=2, keepdims=True) > 127) & (ints.min(axis=2, keepdims=True) >= -127)
+    ints, base = np.where(flip, -ints, ints), np.where(flip, -base, base)
+    if ints.max(initial=0) > 127 or ints.min(initial=0) < -128 or np.any(np.abs(base) > np.finfo(np.float32).max):
+        return None
+    base32 = base.astype(np.float32)
+    ints8 = ints.astype(np.int8)
+    if not np.array_equal(base32 * ints8.astype(np.float32), v):
+        return None
+    return ints8.reshape(tiles, width), np.ascontiguousarray(base32[:, :, 0, :]).reshape(tiles, -1)
+
+
+def expand_scales(ints: np.ndarray, base: np.ndarray) -> np.ndarray:
+    """`factor_scales` undone: [T, G * 8] float32 = base (per super-block) * ints."""
+    tiles, width = ints.shape
+    blocks = base.shape[1] // LANES
+    shaped = ints.reshape(tiles, blocks, width // (blocks * LANES), LANES).astype(np.float32)
+    return (shaped * base.reshape(tiles, blocks, 1, LANES)).reshape(tiles, width)

@@ -23,7 +23,8 @@ from kvlab.errors import InputError
 from kvlab.model.ggml_quants import (BLOCK_SIZES, GROUPS, NIBBLE_TYPES, OFFSET_TYPES, Unpacked, dequantize,
                                      resident_bytes, unpack)
 from kvlab.model.act_quant import rounded
-from kvlab.model.qtiles import LANES, from_dot_codes, gather_dot_codes, gather_rows, to_dot_codes, to_tiles
+from kvlab.model.qtiles import (LANES, expand_scales, factor_scales, from_dot_codes, gather_dot_codes, gather_rows,
+                                to_dot_codes, to_tiles)
 
 MAX_KERNEL_ROWS = 16
 # Types kvlab can encode (llama.cpp's reference encoders in the gguf package); every ggml_quants type reads.
@@ -34,24 +35,31 @@ TILE_VALUES = 1 << 18  # float32 values of one dequantized tile in a prefill pro
 # types whose offsets are a power of two times the scale, kept as that factor in the float layout's tiles
 FOLDED_OFFSETS = {"Q4_0": -8.0}
 # types whose scales are the file's own float16 (the dot layout keeps them so); the K types' product scales
-# (d * sub-block scale) are rarely exact in float16 and stay float32
+# (d * sub-block scale) are rarely exact in float16: the dot layout keeps them factored (an int8 a group, a
+# float32 base a super-block and row: qtiles.factor_scales)
 HALF_SCALE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 
 def predicted_bytes(type_name: str, shape: tuple[int, int], activations: str = "float32") -> int:
     """Bytes a [N, K] matrix of `type_name` is kept in by a model computing with `activations`, without
     reading it (`kvlab memory --model`): the float layout (ggml_quants.resident_bytes), or for "q8" the
-    integer kernels' layout of the whole tiles (codes alike, scales float16 for HALF_SCALE_TYPES, offsets
-    float32 except Q4_0's, folded) plus the tail rows in the float layout. For the float16-scale types the
-    q8 figure is the file's own bytes."""
+    integer kernels' layout of the whole tiles (codes alike, scales float16 for HALF_SCALE_TYPES, a K type's
+    scales and offsets factored, Q4_0's offsets folded) plus the tail rows in the float layout. For the
+    float16-scale types the q8 figure is the file's own bytes."""
     rows, cols = shape
     tiled = rows // LANES * LANES
     if activations != "q8":  # Q4_0's tiles keep no offsets (FOLDED_OFFSETS), its tail rows do
         folded = tiled * cols // GROUPS[type_name] * 4 if type_name in FOLDED_OFFSETS else 0
         return resident_bytes(type_name, shape) - folded
     code_bytes = cols // 2 if type_name in NIBBLE_TYPES else cols
-    per_group = (2 if type_name in HALF_SCALE_TYPES else 4) + (4 if type_name in OFFSET_TYPES and type_name != "Q4_0" else 0)
-    return tiled * (code_bytes + cols // GROUPS[type_name] * per_group) + resident_bytes(type_name, (rows - tiled, cols))
+    groups = cols // GROUPS[type_name]
+    if type_name in HALF_SCALE_TYPES:
+        scale_bytes = groups * 2
+    else:  # a K type: an int8 a group and a float32 base a super-block, for the scales and the offsets
+        scale_bytes = groups + cols // BLOCK_SIZES[type_name][0] * 4
+    offset_bytes = 0 if type_name not in OFFSET_TYPES or type_name == "Q4_0" else \
+        (groups * 4 if type_name in HALF_SCALE_TYPES else scale_bytes)
+    return tiled * (code_bytes + scale_bytes + offset_bytes) + resident_bytes(type_name, (rows - tiled, cols))
 
 
 class QuantizedMatrix:
@@ -59,8 +67,9 @@ class QuantizedMatrix:
     (the N % 8 rows after them, row-ordered codes/scales/offsets, model/qtiles.py, model/ggml_quants.py).
 
     The layouts: `tiles`, the float kernels' (codes, float32 scales and offsets, interleaved by row: the
-    exact products, kernels/qgemv.py; Q4_0's offsets as the factor -8 on the scales, FOLDED_OFFSETS), and `dot_layout`, the integer kernels' (codes in quads, float16
-    scales where exact, Q4_0's offsets folded into a bias: `activations="q8"`, kernels/qdot.py). Asking
+    exact products, kernels/qgemv.py; Q4_0's offsets as the factor -8 on the scales, FOLDED_OFFSETS), and
+    `dot_layout`, the integer kernels' (codes in quads, float16 scales where exact, a K type's factored,
+    Q4_0's offsets folded into a bias: `activations="q8"`, kernels/qdot.py). Asking
     for one converts from the other and drops it (a permutation of the same codes, the same values), so a
     model keeps one copy of its codes in either mode; the embedding lookup, `rows`, `dequantize` and the
     NumPy reference read whichever layout is resident without converting. A conversion happens when a
@@ -70,7 +79,7 @@ class QuantizedMatrix:
         self.type_name = type_name
         self.tail = tail
         self._tiles: Unpacked | None = tiles
-        self._dot: tuple[np.ndarray, np.ndarray, np.ndarray, int] | None = None
+        self._dot: tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray, np.ndarray] | None = None
         self._lock = threading.Lock()
         self.view_of: tuple[QuantizedMatrix, int, int] | None = None  # (matrix, start, stop): see row_view
 
@@ -118,38 +127,66 @@ class QuantizedMatrix:
             return self._tiles
 
     @property
-    def dot_layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        """(codes, scales, offsets, bias): the tiles as the integer kernels read them (kernels/qdot.py),
-        made from the float layout, which is dropped. Codes in quads (qtiles.to_dot_codes); scales float16
-        where that is exact (the file's own float16: every type but the K types), else the float32 ones;
-        Q4_0's offsets (-8 * scale) folded into bias 8 rather than read; int8 codes bias 128 (the kernel's
-        code + 128). float16 scales travel as their bits (uint16): numba has no float16 arrays."""
+    def dot_layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray, np.ndarray]:
+        """(codes, scales, offsets, bias, base scales, base offsets): the tiles as the integer kernels read
+        them (kernels/qdot.py), made from the float layout, which is dropped. Codes in quads
+        (qtiles.to_dot_codes); scales float16 where that is exact (the file's own float16: every type but
+        the K types); a K type's scales and offsets (d * sub-block scale) as int8 per group times a float32
+        base per super-block and row (qtiles.factor_scales: the same float32 values, a quarter of the
+        bytes), else float32; Q4_0's offsets (-8 * scale) folded into bias 8 rather than read; int8 codes
+        bias 128 (the kernel's code + 128). float16 scales travel as their bits (uint16): numba has no
+        float16 arrays. Base arrays have no columns where the scales are not factored."""
         with self._lock:
             if self._dot is None:
                 self._dot, self._tiles = self._make_dot(self._tiles), None
             return self._dot
 
-    def _make_dot(self, t: Unpacked) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    def _make_dot(self, t: Unpacked) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray, np.ndarray]:
         codes = to_dot_codes(t.codes, self.tail.scales.shape[1])
-        with np.errstate(over="ignore"):  # a K type's product scale past float16's range: kept float32
-            half = t.scales.astype(np.float16)
-        scales = half.view(np.uint16) if np.array_equal(half.astype(np.float32), t.scales) else t.scales
+        scales, offsets, base_scales, base_offsets = self._dot_scales(t)
         no_offsets = np.zeros((0, 0), dtype=np.float32)
         if t.offsets is None and t.offset_scale == -8.0:  # folded already: Q4_0's bias 8
-            return codes, scales, no_offsets, 8
+            return codes, scales, no_offsets, 8, base_scales, base_offsets
         if not t.nibbles:
-            return codes, scales, no_offsets if t.offsets is None else t.offsets, 128
+            return codes, scales, offsets, 128, base_scales, base_offsets
         if t.offsets is not None and np.array_equal(t.offsets, t.scales * np.float32(-8)):
-            return codes, scales, no_offsets, 8
-        return codes, scales, no_offsets if t.offsets is None else t.offsets, 0
+            return codes, scales, no_offsets, 8, base_scales, base_offsets
+        return codes, scales, offsets, 0, base_scales, base_offsets
+
+    def _dot_scales(self, t: Unpacked) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(scales, offsets, base scales, base offsets) of the dot layout for the float layout's tiles `t`:
+        float16 bits where exact, a K type's factored ints and bases, else float32 (`dot_layout`)."""
+        none = np.zeros((0, 0), dtype=np.float32)
+        offsets = none if t.offsets is None else t.offsets
+        with np.errstate(over="ignore"):  # a K type's product scale past float16's range: not float16
+            half = t.scales.astype(np.float16)
+        if np.array_equal(half.astype(np.float32), t.scales):
+            return half.view(np.uint16), offsets, none, none
+        if self.type_name.endswith("_K"):
+            per = BLOCK_SIZES[self.type_name][0] // self.group
+            factored = factor_scales(t.scales, per)
+            factored_offsets = None if t.offsets is None else factor_scales(t.offsets, per)
+            if factored is not None and (t.offsets is None or factored_offsets is not None):
+                offsets, base_offsets = factored_offsets if factored_offsets is not None else (none, none)
+                return factored[0], offsets, factored[1], base_offsets
+        return t.scales, offsets, none, none
+
+    @staticmethod
+    def _widen(values: np.ndarray, base: np.ndarray) -> np.ndarray:
+        """Dot-layout scales or offsets [T, G * 8] (float16 bits, factored int8, or float32) as float32."""
+        if values.dtype == np.uint16:
+            return values.view(np.float16).astype(np.float32)
+        if values.dtype == np.int8:
+            return expand_scales(values, base)
+        return values
 
     def _dot_scales_offsets(self) -> tuple[np.ndarray, np.ndarray | None]:
         """The dot layout's tiled scales and offsets as the float layout holds them (float32, exact)."""
-        _, scales, offsets, bias = self._dot
-        scales = scales.view(np.float16).astype(np.float32) if scales.dtype == np.uint16 else scales
+        _, scales, offsets, bias, base_scales, base_offsets = self._dot
+        scales = self._widen(scales, base_scales)
         if self.tail.offsets is None:  # the tail keeps offsets exactly when the tiles had them
             return scales, None
-        return scales, (scales * np.float32(-8) if bias == 8 else offsets)
+        return scales, (scales * np.float32(-8) if bias == 8 else self._widen(offsets, base_offsets))
 
     def _float_tiles(self) -> Unpacked:
         """The float layout, whichever is resident (a new array when it is the dot layout)."""
@@ -193,7 +230,7 @@ class QuantizedMatrix:
     def nbytes(self) -> int:
         """Resident bytes (the resident layout's codes, scales and offsets, and the tail's; no row padded)."""
         with self._lock:
-            arrays = (self._dot[:3] if self._tiles is None else
+            arrays = ((*self._dot[:3], *self._dot[4:]) if self._tiles is None else
                       (self._tiles.codes, self._tiles.scales, self._tiles.offsets))
             tail = (self.tail.codes, self.tail.scales, self.tail.offsets)
             return sum(a.nbytes for a in (*arrays, *tail) if a is not None)
@@ -212,10 +249,8 @@ class QuantizedMatrix:
         if want == "float":
             per_group = 4 * (2 if self.type_name in OFFSET_TYPES and self.type_name not in FOLDED_OFFSETS else 1)
             return codes + tiled * groups * per_group + tail
-        half = self._tiles.scales.astype(np.float16)  # exact in float16: as `_make_dot` decides
-        scale = 2 if np.array_equal(half.astype(np.float32), self._tiles.scales) else 4
-        offset = 4 if self._tiles.offsets is not None and self.type_name != "Q4_0" else 0
-        return codes + tiled * groups * (scale + offset) + tail
+        scales = self._dot_scales(self._tiles)  # as `_make_dot` decides (the codes are not converted)
+        return codes + sum(a.nbytes for a in scales) + tail
 
     @property
     def file_bytes(self) -> int:
@@ -246,12 +281,18 @@ class QuantizedMatrix:
             # the dot layout: only the rows taken are widened (an embedding lookup per decode step must not
             # convert the whole table's scales)
             index = np.asarray(index, dtype=np.int64).reshape(-1)
-            dot_codes, dot_scales, dot_offsets, bias = self._dot
+            dot_codes, dot_scales, dot_offsets, bias, base_scales, base_offsets = self._dot
             whole = dot_scales.shape[0] * LANES
             inside, tail_rows = index < whole, index[index >= whole] - whole
-            tiled = gather_rows(Unpacked(None, dot_scales, dot_offsets if dot_offsets.shape[0] else None, self.group),
-                                self.tail, index[inside])
-            widened = tiled.scales.view(np.float16).astype(np.float32) if dot_scales.dtype == np.uint16 else tiled.scales
+            # the tiles the rows sit in, widened to float32 (factored scales need their bases)
+            needed, local = np.unique(index[inside] // LANES, return_inverse=True)
+            local = local.reshape(-1) * LANES + index[inside] % LANES
+            tiled = gather_rows(Unpacked(None, self._widen(dot_scales[needed], base_scales[needed] if base_scales.size
+                                                           else base_scales),
+                                         self._widen(dot_offsets[needed], base_offsets[needed] if base_offsets.size
+                                                     else base_offsets) if dot_offsets.shape[0] else None,
+                                         self.group), self.tail, local)
+            widened = tiled.scales
             scales = np.empty((index.shape[0], self.tail.scales.shape[1]), dtype=np.float32)
             scales[inside], scales[~inside] = widened, self.tail.scales[tail_rows]
             offsets = None
@@ -286,9 +327,14 @@ class QuantizedMatrix:
                                                             None if t.offsets is None else t.offsets[t0:t1], t.group,
                                                             t.offset_scale), tail)
         else:  # the same rows of the integer kernels' layout (an empty offsets array means none: kept as is)
-            codes, scales, offsets, bias = dot
+            codes, scales, offsets, bias, base_scales, base_offsets = dot
+
+            def rows_of(a: np.ndarray) -> np.ndarray:  # an array with no rows means none: kept as is
+                return a[t0:t1] if a.shape[0] else a
+
             view = QuantizedMatrix(self.type_name, None, tail)
-            view._dot = (codes[t0:t1], scales[t0:t1], offsets[t0:t1] if offsets.shape[0] else offsets, bias)
+            view._dot = (codes[t0:t1], scales[t0:t1], rows_of(offsets), bias, rows_of(base_scales),
+                         rows_of(base_offsets))
         view.view_of = (self, start, stop)
         return view
 
