@@ -6,6 +6,7 @@ from hypothesis import given, strategies as st
 
 from kvlab.cache.paged import BlockPool
 from kvlab.errors import InputError
+from kvlab.prefix.block_hash import block_key, root_key
 from kvlab.prefix.prefix_cache import PrefixCache
 
 
@@ -122,3 +123,147 @@ def test_paged_store_runs_the_plain_forward_and_forks_copy_on_write():
         cache.store.release()
     pool.check_invariants()
     assert pool.num_free_blocks == pool.num_blocks
+
+
+# --- invariant checks, one corruption at a time -------------------------------------------------------------
+# The pool's and the prefix cache's invariant checks (ARCHITECTURE.md invariant 7) catch each kind of broken
+# bookkeeping, one at a time, and name it: every engine test leans on `check_invariants`, so a check that
+# stopped seeing one kind of corruption would let that bug through everywhere.
+
+ROOT = root_key("d" * 64, np.float64, np.float64)
+
+
+def make(cached: bool = True) -> tuple[BlockPool, PrefixCache | None]:
+    pool = BlockPool(1, 1, 2, np.float64, block_size=2, num_blocks=6)
+    return pool, (PrefixCache(pool) if cached else None)
+
+
+def broken(check, message: str | None = None) -> None:
+    with pytest.raises(AssertionError) as caught:
+        check()
+    if message is not None:
+        assert str(caught.value) == message
+    else:
+        assert not str(caught.value)  # the checks without a message name none
+
+
+def test_a_sound_pool_and_cache_pass() -> None:
+    pool, cache = make()
+    table = pool.allocate(2)
+    cache.insert(table, [1, 2, 3, 4], ROOT, 4)
+    pool.check_invariants()
+    pool.release(table)
+    pool.check_invariants()
+
+
+def test_a_block_on_the_free_list_twice() -> None:
+    pool, _ = make(cached=False)
+    pool._free.append(pool._free[0])
+    broken(pool.check_invariants, "a block is on the free list twice")
+
+
+def test_a_negative_ref_count() -> None:
+    pool, _ = make(cached=False)
+    pool.ref_counts[pool._free[0]] = -1  # still on the free list, so in no other state
+    broken(pool.check_invariants, "negative ref count")
+
+
+def test_a_block_both_free_and_in_use() -> None:
+    pool, _ = make(cached=False)
+    [block] = pool.allocate(1)
+    pool._free.append(block)
+    broken(pool.check_invariants, "block in two states")
+
+
+def test_a_block_both_free_and_evictable() -> None:
+    pool, cache = make()
+    table = pool.allocate(1)
+    cache.insert(table, [1, 2], ROOT, 2)
+    pool.release(table)
+    pool._free.append(table[0])
+    broken(pool.check_invariants, "block in two states")
+
+
+def test_a_block_both_evictable_and_in_use() -> None:
+    pool, cache = make()
+    table = pool.allocate(1)
+    cache.insert(table, [1, 2], ROOT, 2)
+    pool.release(table)
+    pool.ref_counts[table[0]] = 1
+    broken(pool.check_invariants, "block in two states")
+
+
+def test_a_leaked_block() -> None:
+    pool, _ = make(cached=False)
+    [block] = pool.allocate(1)
+    pool.ref_counts[block] = 0  # dropped without going back on the free list
+    broken(pool.check_invariants, "blocks leaked")
+
+
+def test_the_pool_asks_its_evictor_to_check_itself() -> None:
+    pool, cache = make()
+    table = pool.allocate(1)
+    cache.insert(table, [1, 2], ROOT, 2)
+    pool.release(table)
+    cache._children.clear()  # only the cache's own check sees this
+    broken(pool.check_invariants, "the children index disagrees")
+
+
+# --- the prefix cache's own checks, given the pool's free set ---------------------------------------------
+def test_an_evictable_block_that_is_not_cached() -> None:
+    pool, cache = make()
+    [block] = pool.allocate(1)
+    cache._evictable[block] = None
+    broken(lambda: cache.check_invariants(set(pool._free)), "an evictable block is not cached")
+
+
+def test_a_cached_tail_still_referenced() -> None:
+    pool, cache = make()
+    [block] = pool.allocate(1)
+    assert cache.cache_tail(block, ROOT, [7])  # what a releasing sequence does just before releasing
+    broken(lambda: cache.check_invariants(set(pool._free)), "a cached tail is referenced")
+    pool.release([block])
+    cache.check_invariants(set(pool._free))
+
+
+def test_a_free_block_still_a_cached_tail() -> None:
+    pool, cache = make()
+    [block] = pool.allocate(1)
+    cache.cache_tail(block, ROOT, [7])
+    pool.release([block])
+    broken(lambda: cache.check_invariants(set(pool._free) | {block}), "a free block is still a cached tail")
+
+
+def test_the_tail_maps_disagree() -> None:
+    pool, cache = make()
+    [block] = pool.allocate(1)
+    cache.cache_tail(block, ROOT, [7])
+    pool.release([block])
+    cache._tail_info[block] = (ROOT, (8,))
+    broken(lambda: cache.check_invariants(set(pool._free)))
+
+
+def test_an_evictable_block_still_referenced() -> None:
+    pool, cache = make()
+    table = pool.allocate(1)
+    cache.insert(table, [1, 2], ROOT, 2)
+    pool.release(table)
+    pool.ref_counts[table[0]] = 1
+    broken(lambda: cache.check_invariants(set(pool._free)), "an evictable block is referenced")
+
+
+def test_a_free_block_still_registered() -> None:
+    pool, cache = make()
+    table = pool.allocate(1)
+    cache.insert(table, [1, 2], ROOT, 2)
+    broken(lambda: cache.check_invariants(set(pool._free) | {table[0]}), "a free block is still registered")
+
+
+def test_the_key_maps_disagree() -> None:
+    pool, cache = make()
+    table = pool.allocate(2)
+    cache.insert(table, [1, 2, 3, 4], ROOT, 4)
+    key = block_key(ROOT, [1, 2])
+    assert cache.lookup(key) == table[0]
+    cache._cached[key] = table[1]  # the key now names the other registered block
+    broken(lambda: cache.check_invariants(set(pool._free)))

@@ -8,12 +8,16 @@ reuse every row of the last one, as the contiguous session did, not only its who
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvlab import TinyLlama
+from kvlab.cache.kv_cache import KVCache
 from kvlab.engine.engine import Engine
-from kvlab.sessions.session_io import load_session, save_session
+from kvlab.errors import CacheMismatchError, InputError
+from kvlab.sessions.session_io import load_session, read_session, register_session, save_session
 from kvlab.sampling.sampler import SamplingParams
+from kvlab.sessions.persist import read_session_file, write_session_file
 
 MODEL = TinyLlama(seed=7)  # float64
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -86,3 +90,208 @@ def test_session_files_round_trip_through_the_prefix_cache_exactly(tmp_path) -> 
     assert again.num_cached_tokens == len(rows)
     assert again.outputs[0].token_ids == cold(rows + [7], 3)
     fresh.block_pool.check_invariants()
+
+
+# --- session files: the cases the round trip does not reach -------------------------------------------------
+# Session files in and out of the engine's prefix cache (kvlab/sessions/session_io.py), the cases the round
+# trip in test_token_prefix_reuse.py does not reach: engines that cannot hold a session (hybrid groups, a
+# quantized pool) and what they say, another cache dtype, a shifted cache, a sub-block session, a whole-block
+# session, a session saved from blocks that are not the pool's first ones, an empty save, caching off, and a
+# reload into a pool full of other cached blocks (nothing of theirs is evicted for blocks already held).
+
+def new_engine(model=MODEL, **kwargs) -> Engine:
+    settings = {"max_num_seqs": 1, "block_size": 4, "num_blocks": 32, "enable_prefix_caching": True}
+    return Engine(model, **{**settings, **kwargs})
+
+
+def computed_rows(eng: Engine, prompt: list[int], max_tokens: int) -> list[int]:
+    """Run `prompt`; the tokens whose K/V the engine computed (prompt + output[:-1])."""
+    out = eng.generate([prompt], SamplingParams(max_tokens=max_tokens, **GREEDY))[0].outputs[0].token_ids
+    return prompt + out[:-1]
+
+
+def contiguous(model: TinyLlama, rows: list[int]) -> KVCache:
+    cache = model.new_cache(1)
+    model.forward(np.array([rows]), cache=cache, use_cache=True)
+    return cache
+
+
+def assert_rows_equal(saved: KVCache, reference: KVCache, tol: float = 1e-12) -> None:
+    for (k, v), (ref_k, ref_v) in zip(saved, reference):
+        assert k.shape == ref_k.shape and v.shape == ref_v.shape
+        assert np.max(np.abs(k - ref_k)) <= tol and np.max(np.abs(v - ref_v)) <= tol
+
+
+def test_a_hybrid_engine_refuses_session_files_and_says_why(tmp_path) -> None:
+    """Two KV-cache groups (one sliding layer, one full) already have no single block table to save."""
+    hybrid = TinyLlama(seed=4, num_hidden_layers=2, layer_types=("sliding_attention", "full_attention"),
+                       interleaved_sliding_window=4)
+    eng = new_engine(hybrid)
+    assert len(eng.kv_groups) == 2
+    for doing, call in (("save", lambda: save_session(eng, tmp_path / "h.kvc", [3, 4, 5], {})),
+                        ("load", lambda: read_session(eng, tmp_path / "missing.kvc"))):
+        with pytest.raises(InputError) as caught:
+            call()
+        assert str(caught.value) == (f"cannot {doing} a session file on this model: its layer types keep "
+                                     "KV-cache groups of their own (sliding layers hold only their window)")
+    assert not (tmp_path / "h.kvc").exists()
+
+
+def test_a_quantized_pool_refuses_session_files_and_says_why(tmp_path) -> None:
+    eng = new_engine(kv_cache_dtype="int8")
+    for doing, call in (("save", lambda: save_session(eng, tmp_path / "q.kvc", [3, 4, 5], {})),
+                        ("load", lambda: load_session(eng, tmp_path / "missing.kvc"))):
+        with pytest.raises(InputError) as caught:
+            call()
+        assert str(caught.value) == (f"session files hold float K/V rows; a {eng.kv_cache_dtype} cache cannot "
+                                     f"{doing} them (use a float cache dtype for sessions and prompt caches)")
+
+
+def test_a_float32_engine_saves_and_reloads_under_its_own_chain_root(tmp_path) -> None:
+    """The chain root names the model's compute dtype and the cache dtype: a float32 model's session is found
+    by the keys its requests compute (a float64 root would find nothing and save nothing)."""
+    model = TinyLlama(seed=3, dtype=np.float32)
+    first = new_engine(model)
+    rows = computed_rows(first, list(range(3, 17)), 3)  # 16 rows: 4 whole blocks
+    assert save_session(first, tmp_path / "f32.kvc", rows, {}) == len(rows)
+    fresh = new_engine(model)
+    _, cached = load_session(fresh, tmp_path / "f32.kvc")
+    assert cached == len(rows)
+    again = fresh.generate([rows + [9]], SamplingParams(max_tokens=1, **GREEDY))[0]
+    assert again.num_cached_tokens == len(rows)
+
+
+def test_a_file_of_another_cache_dtype_is_refused(tmp_path) -> None:
+    eng32 = new_engine(kv_cache_dtype="float32")
+    rows = computed_rows(eng32, list(range(3, 15)), 2)
+    assert save_session(eng32, tmp_path / "kv32.kvc", rows, {}) == len(rows)
+    eng64 = new_engine()
+    with pytest.raises(CacheMismatchError, match="holds float32 rows"):
+        load_session(eng64, tmp_path / "kv32.kvc")
+    assert eng64.prefix_cache.num_cached_blocks == 0
+
+
+def test_a_shifted_cache_cannot_seed_a_prefix(tmp_path) -> None:
+    rows = list(range(3, 9))
+    cache = contiguous(MODEL, rows)
+    keys = [k for k, _ in cache]
+    values = [v for _, v in cache]
+    shifted = KVCache.from_arrays(MODEL.cache_spec, keys, values, np.arange(1, len(rows) + 1, dtype=np.int64))
+    write_session_file(tmp_path / "shifted.kvc", shifted, rows, {})
+    eng = new_engine()
+    with pytest.raises(InputError) as caught:
+        read_session(eng, tmp_path / "shifted.kvc")
+    assert str(caught.value) == (f"{tmp_path / 'shifted.kvc'}: its rows are not at positions 0..5 (a shifted "
+                                 "cache): it cannot seed a prefix")
+
+
+def test_a_session_shorter_than_a_block_round_trips(tmp_path) -> None:
+    """Three rows, no whole block: saved from the cached tail alone, loaded as a tail under the root."""
+    eng = new_engine()
+    rows = computed_rows(eng, [11, 12, 13], 1)
+    assert save_session(eng, tmp_path / "short.kvc", rows, {}) == 3
+    saved = read_session_file(tmp_path / "short.kvc", MODEL)
+    assert_rows_equal(saved.cache, contiguous(MODEL, rows))
+    fresh = new_engine()
+    _, cached = load_session(fresh, tmp_path / "short.kvc")
+    assert cached == 3
+    again = fresh.generate([rows + [7, 8]], SamplingParams(max_tokens=1, **GREEDY))[0]
+    assert again.num_cached_tokens == 3
+    fresh.block_pool.check_invariants()
+
+
+def test_a_whole_block_session_reports_its_rows_and_caches_no_tail(tmp_path) -> None:
+    eng = new_engine()
+    rows = computed_rows(eng, list(range(20, 28)), 1)  # 8 rows: 2 whole blocks of 4
+    assert save_session(eng, tmp_path / "whole.kvc", rows, {}) == 8
+    fresh = new_engine()
+    cached = load_session(fresh, tmp_path / "whole.kvc")[1]
+    assert cached == 8 and isinstance(cached, int)
+    assert fresh.prefix_cache.num_cached_blocks == 2
+    hits, keys = fresh.prefix_cache.match(rows, _root_of(fresh))
+    assert len(hits) == 2 and fresh.prefix_cache.match_tail(rows + [1], keys[-1], 8) is None
+    fresh.block_pool.check_invariants()
+
+
+def _root_of(eng: Engine) -> bytes:
+    from kvlab.prefix.block_hash import root_key
+    return root_key(eng.model.fingerprint, eng.model.dtype, eng.kv_cache_dtype)
+
+
+def test_rows_saved_from_later_blocks_are_the_sequences_own(tmp_path) -> None:
+    """The second request's blocks are not the pool's first ones: the file holds its rows, not block 0's."""
+    eng = new_engine()
+    computed_rows(eng, [200 + i for i in range(10)], 2)  # takes the first blocks, then stays cached
+    rows = computed_rows(eng, list(range(3, 17)), 3)
+    assert save_session(eng, tmp_path / "later.kvc", rows, {}) == len(rows)
+    saved = read_session_file(tmp_path / "later.kvc", MODEL)
+    assert_rows_equal(saved.cache, contiguous(MODEL, rows))
+
+
+def test_loaded_rows_are_written_where_the_cache_finds_them(tmp_path) -> None:
+    """Load a file into an engine whose first blocks hold something else, then save the same tokens back: the
+    rows read back from the pool are the file's (every row, tail included), so nothing was left unwritten."""
+    source = new_engine()
+    rows = computed_rows(source, list(range(30, 44)), 4)  # 17 rows: 4 blocks and a tail of 1
+    assert save_session(source, tmp_path / "a.kvc", rows, {}) == len(rows)
+    target = new_engine()
+    computed_rows(target, [100 + i for i in range(9)], 2)
+    _, cached = load_session(target, tmp_path / "a.kvc")
+    assert cached == len(rows)
+    assert save_session(target, tmp_path / "b.kvc", rows, {}) == len(rows)
+    assert_rows_equal(read_session_file(tmp_path / "b.kvc", MODEL).cache,
+                      read_session_file(tmp_path / "a.kvc", MODEL).cache, tol=0.0)
+
+
+def test_a_reload_keeps_what_the_pool_already_holds_and_evicts_nothing_else(tmp_path) -> None:
+    """Reloading a whole-block session the cache already holds allocates nothing: the other cached blocks of
+    a full pool stay cached (a spare allocation would evict the least recently used of them)."""
+    eng = new_engine(num_blocks=10)
+    rows = computed_rows(eng, list(range(40, 48)), 1)  # 2 whole blocks
+    assert save_session(eng, tmp_path / "w.kvc", rows, {}) == 8
+    fresh = new_engine(num_blocks=10)
+    assert load_session(fresh, tmp_path / "w.kvc")[1] == 8
+    other = computed_rows(fresh, [150 + i for i in range(32)], 1)  # fills the rest of the pool with cached blocks
+    assert fresh.block_pool.num_free_blocks == fresh.block_pool.num_evictable_blocks  # nothing plainly free
+    before = fresh.prefix_cache.num_cached_blocks
+    assert load_session(fresh, tmp_path / "w.kvc")[1] == 8
+    assert fresh.prefix_cache.num_cached_blocks == before
+    assert fresh.generate([other + [1]], SamplingParams(max_tokens=1, **GREEDY))[0].num_cached_tokens \
+        == len(other) // 4 * 4
+    fresh.block_pool.check_invariants()
+
+
+def test_caching_off_registers_nothing_and_says_so(tmp_path) -> None:
+    eng = new_engine()
+    rows = computed_rows(eng, list(range(3, 13)), 2)
+    assert save_session(eng, tmp_path / "s.kvc", rows, {}) == len(rows)
+    off = new_engine(enable_prefix_caching=False)
+    saved, cached = load_session(off, tmp_path / "s.kvc")
+    assert cached == 0 and saved.tokens == rows
+    assert off.block_pool.num_used_blocks == 0
+
+
+def test_saving_tokens_nothing_caches_writes_an_empty_session(tmp_path) -> None:
+    eng = new_engine()
+    assert save_session(eng, tmp_path / "empty.kvc", [5, 6, 7, 8, 9], {"k": 1}) == 0
+    saved = read_session_file(tmp_path / "empty.kvc", MODEL)
+    assert saved.tokens == [] and saved.extra == {"k": 1}
+    assert register_session(new_engine(), saved) == 0
+
+
+def test_loading_keeps_the_rows_the_cache_already_holds(tmp_path) -> None:
+    """A file whose whole blocks the cache already holds writes only the rows after them: the cached blocks
+    (maybe read by running requests) keep their own K/V, even where the file's differ."""
+    eng = new_engine()
+    rows = computed_rows(eng, list(range(50, 58)), 1)  # 8 rows: 2 whole blocks
+    cache = contiguous(MODEL, rows)
+    keys = [k + 1.0 for k, _ in cache]  # the file's rows differ from the engine's everywhere
+    values = [v + 1.0 for _, v in cache]
+    write_session_file(tmp_path / "other.kvc", KVCache.from_arrays(MODEL.cache_spec, keys, values,
+                                                                   np.arange(len(rows), dtype=np.int64)), rows, {})
+    hits, _ = eng.prefix_cache.match(rows, _root_of(eng))
+    held = [eng.block_pool.key_cache[0][b].copy() for b in hits]
+    assert len(hits) == 2
+    assert load_session(eng, tmp_path / "other.kvc")[1] == len(rows)
+    for block, before in zip(hits, held):
+        np.testing.assert_array_equal(eng.block_pool.key_cache[0][block], before)
