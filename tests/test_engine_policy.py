@@ -384,3 +384,33 @@ def test_forked_samples_each_copy_their_shared_sink_blocks() -> None:
     assert len(out.outputs) == 3 and all(len(o.token_ids) == 12 for o in out.outputs)
     assert any(ref > 1 for ref, _ in copied)  # the samples shared the blocks under their sink rows
     engine.block_pool.check_invariants()
+
+
+def test_bounds_refuse_a_policy_whose_kept_rows_are_not_a_prefix_plus_a_tail() -> None:
+    """The engine's config accepts only window, sinks and shift; a policy keeping scattered rows reaching the
+    bounds directly is refused by name, before any block changes hands."""
+    from types import SimpleNamespace
+
+    from kvlab.cache.paged import BlockPool
+    from kvlab.engine.kv_bounds import KVBounds
+    from kvlab.prefix.prefix_cache import PrefixCache
+
+    class Scattered:
+        budget, max_chunk = 6, 2
+
+        def keep(self, length, num_new):
+            return np.array([0, 2, 4, 5])  # row 0, then rows that are not one run up to the end
+
+        def __str__(self) -> str:
+            return "scattered"
+
+    pool = BlockPool(1, 1, 2, np.float64, block_size=2, num_blocks=8)
+    bounds = KVBounds(pool, PrefixCache(pool), policy=Scattered())
+    seq = SimpleNamespace(kv_view=None, num_computed_tokens=6, block_tables=[pool.allocate(3)])
+    seq.block_table = seq.block_tables[0]
+    with pytest.raises(ValueError) as caught:
+        bounds.evict(seq, 2)
+    assert str(caught.value) == ("scattered keeps rows that are not a prefix plus a tail: the paged engine "
+                                 "cannot place them")
+    assert seq.kv_view.prefix == 0 and not seq.kv_view.sink_source
+    assert pool.ref_counts[:3] == [1, 1, 1]
