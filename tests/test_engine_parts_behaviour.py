@@ -621,3 +621,39 @@ def test_a_running_sequence_too_long_for_the_pool_ends_and_the_rest_still_run():
     scheduler.running.append(p)
     out = scheduler.schedule()
     assert out.too_long == [named["big"]] and planned(out) == [("p", 8)]
+
+
+@pytest.mark.parametrize("stop, text, expected", [
+    (["a"], "abcd", ""),         # a stop string at the very start of the text (the window starts at 0)
+    (["abc"], "abcd", ""),       # a whole-length stop string that the last token completes from the start
+    (["zz", "bc"], "abcd", "a"),  # the longest stop string sets the window; the short one is found in it
+    (["cd"], "abcd", "ab"),
+])
+def test_stop_strings_are_found_wherever_they_start_in_the_text(stop, text, expected):
+    """The output stage fed one byte token per step: each step searches only where a stop string could end
+    in the new text, which must still find one starting at the text's first character."""
+    from kvlab.engine.output_processor import OutputProcessor
+    from kvlab.engine.request import Request, Status
+    from kvlab.engine.scheduler import Scheduler
+
+    tok = ByteTokenizer()
+    prompt = tok.encode("Q:")
+    pool = BlockPool(1, 1, 2, np.float64, 4, 8)
+    scheduler = Scheduler(pool, PrefixCache(pool), max_num_seqs=1, max_num_batched_tokens=16)
+    seq = Request("r", prompt, SamplingParams(max_tokens=8, stop=stop, temperature=0.0), ROOT, 8).seqs[0]
+    seq.num_computed_tokens, seq.block_table = len(prompt), pool.allocate(pool.blocks_for(len(prompt)))
+    seq.status, seq.decoder = Status.RUNNING, tok.stream_decoder(prompt)
+    scheduler.running.append(seq)
+    output = OutputProcessor(scheduler)
+    fed = []
+    for token in tok.encode(text):
+        logits = np.zeros((1, tok.vocab_size))
+        logits[0, token] = 1.0
+        output.process([seq], logits)
+        fed.append(token)
+        if seq.finished():
+            break
+    end = next(i for i in range(len(text) + 1) if any(s in text[:i] for s in stop))
+    assert seq.finish_reason == "stop" and seq.output_token_ids == fed == tok.encode(text[:end])
+    assert seq.completion().text == expected
+    assert pool.num_free_blocks == pool.num_blocks
