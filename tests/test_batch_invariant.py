@@ -37,17 +37,20 @@ def paged_copy(contiguous: np.ndarray, block_size: int, rng: np.random.Generator
 @needs_numba
 @settings(max_examples=30, deadline=None)
 @given(type_name=st.sampled_from(["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K"]), out=st.integers(1, 44),
-       n_blocks=st.integers(1, 2), rows=st.integers(2, 40), seed=st.integers(0, 2**16))
-def test_an_integer_products_row_ignores_the_rows_beside_it(type_name, out, n_blocks, rows, seed):
+       n_blocks=st.integers(1, 2), wide=st.booleans(), rows=st.integers(2, 40), seed=st.integers(0, 2**16))
+def test_an_integer_products_row_ignores_the_rows_beside_it(type_name, out, n_blocks, wide, rows, seed):
     """The int8-activation product (kernels/qdot.py) runs rows of x eight, four, two or one at a time, so
-    a row lands in a different block of the kernel as the batch around it changes: its output must be
-    the same bits in every case, alone, and at any offset in a larger batch."""
+    a row lands in a different block of the kernel as the batch around it changes: its output must be the
+    same bits in every case, alone, and at any offset in a larger batch, for narrow and wide (4,608
+    columns) matrices; and near the float64 product."""
+    from kvlab.model.act_quant import rounded
+
     from gguf_files import blocks
     from kvlab.model.ggml_quants import BLOCK_SIZES
     from kvlab.model.quantized import QuantizedMatrix
 
     rng = np.random.default_rng(seed)
-    cols = n_blocks * BLOCK_SIZES[type_name][0]
+    cols = 4608 if wide else n_blocks * BLOCK_SIZES[type_name][0]
     matrix = QuantizedMatrix.from_blocks(type_name, blocks(type_name, out, cols, rng, "normal"), (out, cols))
     x = rng.standard_normal((rows, cols)).astype(np.float32)
     together = matrix.matmul_t(x, True, "q8")
@@ -56,6 +59,8 @@ def test_an_integer_products_row_ignores_the_rows_beside_it(type_name, out, n_bl
         assert np.array_equal(together[i], alone[0]), (i, float(np.abs(together[i] - alone[0]).max()))
     shifted = matrix.matmul_t(x[1:], True, "q8")  # every row moves to another place in its block of rows
     assert np.array_equal(shifted, together[1:])
+    want = rounded(x, matrix.group).astype(np.float64) @ matrix.dequantize(np.float64).T
+    assert np.allclose(together, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
 
 
 @needs_numba
