@@ -6,6 +6,7 @@ needs one failing example, and shrinking it would cost minutes per mutant.
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 settings.register_profile("ci", derandomize=True, deadline=None, max_examples=60,
@@ -34,3 +35,18 @@ def pytest_terminal_summary(terminalreporter):
     if server and server["tried"]:
         terminalreporter.write_line(f"adversarial server requests: {server['tried']} tried, {server['clean']} "
                                     "answered cleanly (OpenAI error shape, the right 4xx, pool balanced)")
+
+
+@pytest.fixture(autouse=True)
+def _grammar_compiler_after_fork():
+    """A process forked after kvlab started its grammar-building thread (kvlab/sampling/grammar.py) inherits
+    the executor but not the thread, so its first uncached compile waits forever: mutmut forks each mutant's
+    test run so, and such a hang read as a killed mutant (a timeout). Start a new compiler thread there."""
+    import sys
+    import threading
+
+    grammar = sys.modules.get("kvlab.sampling.grammar")
+    compiler = getattr(grammar, "_COMPILER", None)
+    if compiler is not None and not any(thread.is_alive() for thread in compiler._threads):
+        grammar._COMPILER, grammar._COMPILER_LOCK = None, threading.Lock()
+    yield
