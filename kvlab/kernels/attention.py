@@ -368,23 +368,42 @@ class PagedDecodeCall:
     """
 
     def __init__(self, block_tables: np.ndarray, context_lens: np.ndarray, key_starts: np.ndarray | None,
-                 block_size: int, kv_heads: int) -> None:
+                 block_size: int, kv_heads: int, threads: int | None = None) -> None:
+        """`threads`: kernel_threads(), when the caller asked already (once per forward for all its plans)."""
         self.ends = np.asarray(context_lens, dtype=np.int64)
-        self.starts = np.zeros_like(self.ends) if key_starts is None else np.asarray(key_starts, dtype=np.int64)
+        self.starts = np.zeros(len(self.ends), dtype=np.int64) if key_starts is None else \
+            np.asarray(key_starts, dtype=np.int64)
         self.tables = np.ascontiguousarray(block_tables, dtype=np.int64)
         starts, ends, capacity = self.starts.tolist(), self.ends.tolist(), self.tables.shape[1] * block_size
         if any(not 0 <= start < end <= capacity for start, end in zip(starts, ends)):  # plain ints: a few rows
             _check_ranges(self.starts, self.ends, capacity)  # raises, naming them
         self.rows = (sum(ends) - sum(starts)) * kv_heads
-        self.threads = kernel_threads()
+        self.kernel = decode_kernel(self.rows)
+        self.threads = kernel_threads() if threads is None else threads
+        # (scaled queries, the scale asked, it in their dtype, zero): a buffer every layer's call rewrites
+        self._prepared: tuple = (None, None, None, None)
+
+    def _prepare(self, q: np.ndarray, scale: float | None) -> tuple:
+        typed = q.dtype.type(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+        self._prepared = (np.empty(q.shape, dtype=q.dtype), scale, typed, q.dtype.type(0))
+        return self._prepared
 
     def __call__(self, q: np.ndarray, k_blocks: np.ndarray | StoredCodes, v_blocks: np.ndarray | StoredCodes,
                  scale: float | None = None) -> np.ndarray:
-        """One layer's attention [S, H_q, d] (its new K/V written already), as `paged_decode_attention`."""
-        q = _scaled(q, scale)
-        out = np.empty_like(q)
-        _decode(q, k_blocks, v_blocks, self.tables, self.starts, self.ends, out, rows=self.rows,
-                threads=self.threads)
+        """One layer's attention [S, H_q, d] (its new K/V written already), as `paged_decode_attention`:
+        `_decode` with the kernel chosen once and the queries scaled into a buffer every layer reuses (the
+        kernel reads them during the call only; the output is a fresh array)."""
+        scaled, asked, typed, zero = self._prepared
+        if scaled is None or asked is not scale or scaled.dtype is not q.dtype or scaled.shape != q.shape:
+            scaled, asked, typed, zero = self._prepare(q, scale)
+        np.multiply(q, typed, out=scaled)  # `_scaled`'s product
+        out = np.empty_like(scaled)
+        kc, ks, kz, kind, group = kernel_operands(k_blocks)
+        vc, vs, vz, value_kind, _ = kernel_operands(v_blocks)
+        if value_kind != kind or (kc.dtype is not vc.dtype and kc.dtype != vc.dtype):
+            raise ValueError("keys and values must be stored alike")
+        self.kernel(scaled, kc, ks, kz, vc, vs, vz, kind, group, self.tables, self.starts, self.ends, SPAN,
+                    self.threads, out, zero)
         return out
 
 

@@ -38,6 +38,21 @@ from kvlab.model.paged_attention import paged_attention
 Observer = Callable[[int, np.ndarray, np.ndarray, "np.ndarray | None"], None]
 
 
+_WINDOWS: dict[int, tuple[ModelConfig, list[int | None]]] = {}
+
+
+def layer_windows(config: ModelConfig) -> list[int | None]:
+    """Every layer's window (`config.layer_window`), worked out once per config, not once per forward: a
+    ModelConfig is frozen, so the list cannot go stale. Keyed by identity (a config holds lists, so it is
+    not hashable); the entry keeps its config alive, so the id cannot be reused while the entry lives."""
+    entry = _WINDOWS.get(id(config))
+    if entry is None or entry[0] is not config:
+        if len(_WINDOWS) >= 64:  # tests build many configs: keep the few a process is using
+            _WINDOWS.clear()
+        entry = _WINDOWS[id(config)] = (config, [config.layer_window(i) for i in range(config.num_hidden_layers)])
+    return entry[1]
+
+
 class Attention(Protocol):
     """One forward's attention: `attention(layer, q, k, v) -> o [N, H_q d]` (shapes above)."""
 
@@ -68,7 +83,7 @@ class ContiguousAttention:
         self.scale, self.logit_cap = config.attention_scale, config.attn_logit_softcapping
         compiled = compiled and self.logit_cap is None
         self.in_place = compiled and (cache is None or cache.in_place)
-        windows = [config.layer_window(i) for i in range(config.num_hidden_layers)]
+        windows = layer_windows(config)
         # the first key row each window's layers hold (every layer of one window keeps the same rows)
         firsts = {w: 0 if cache is None else cache.layer_start(windows.index(w)) for w in dict.fromkeys(windows)}
         plans = {w: _ContiguousPlan(self, positions, key_positions[first:], config, w)
@@ -231,26 +246,43 @@ class PagedAttention:
         positions = self.positions = np.asarray(batch.positions, dtype=np.int64)
         self.context_lens = batch.context_lens
         self.key_starts = batch.key_starts
-        self.starts = np.concatenate([[0], np.cumsum(batch.query_lens)]).astype(np.int64)
-        self.decodes = [i for i, n in enumerate(batch.query_lens) if n == 1]
-        self.others = [i for i, n in enumerate(batch.query_lens) if n > 1]
+        query_lens = batch.query_lens
+        if all(n == 1 for n in query_lens):  # a decode step: row i is sequence i (no cumsum, no lookups)
+            self.starts = np.arange(len(query_lens) + 1, dtype=np.int64)
+            self.decodes, self.others = list(range(len(query_lens))), []
+        else:
+            self.starts = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int64)
+            self.decodes = [i for i, n in enumerate(query_lens) if n == 1]
+            self.others = [i for i, n in enumerate(query_lens) if n > 1]
         if self.decodes:  # one padded attention call for every one-token sequence
-            self.decode_rows = self.starts[self.decodes]
+            self.decode_rows = self.starts[:-1] if not self.others else self.starts[self.decodes]
             self.decode_positions = positions[self.decode_rows][:, None]
-            self.decode_lens = np.array([batch.context_lens[i] for i in self.decodes], dtype=np.int64)
+            self.decode_lens = np.array(batch.context_lens if not self.others else
+                                        [batch.context_lens[i] for i in self.decodes], dtype=np.int64)
         # compiled attention reads a float pool in place, and the decode kernel reads quantized blocks in
         # place too (their StoredCodes); prefill chunks over quantized blocks go through the NumPy gather
         self.in_place = compiled and isinstance(self.key_cache[0], np.ndarray)
         self.decode_in_place = compiled and (self.in_place or hasattr(self.key_cache[0], "stored"))
         self.only_decodes = not self.others
-        windows = [config.layer_window(i) for i in range(config.num_hidden_layers)]
+        self.block_size, self.kv_heads = self.key_cache[0].shape[2], self.key_cache[0].shape[1]
+        self.threads = None  # the kernels' thread count, asked once per forward for every window's plan
+        if self.decode_in_place and self.decodes:
+            from kvlab.kernels.attention import kernel_threads
+
+            self.threads = kernel_threads()
+        windows = layer_windows(config)
         plans = {w: _PagedPlan(self, batch, w) for w in dict.fromkeys(windows)}
         self.layer_plans = [plans[w] for w in windows]
 
     def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         key_cache, value_cache = self.key_cache[layer], self.value_cache[layer]
         plan = self.layer_plans[layer]
-        write_rows(key_cache, value_cache, plan.slot_blocks, plan.slot_rows, k, v)
+        if plan.lone_slot is not None:  # one new row into a float pool: write_rows' lone-decode branch
+            block, row = plan.lone_slot
+            key_cache[block, :, row] = k[0]
+            value_cache[block, :, row] = v[0]
+        else:
+            write_rows(key_cache, value_cache, plan.slot_blocks, plan.slot_rows, k, v)
         if plan.decode_call is not None and self.only_decodes:  # a decode step: no rows to scatter
             out = plan.decode_call(q, _stored(key_cache), _stored(value_cache), self.scale)
             return out.reshape(q.shape[0], self.heads * self.head_dim)
@@ -288,9 +320,14 @@ class _PagedPlan:
         self.window = window
         tables, self.slot_mapping = (batch.window_tables or {}).get(window, (batch.block_tables,
                                                                             batch.slot_mapping))
-        block_size = owner.key_cache[0].shape[2]
+        block_size = owner.block_size
         self.slot_blocks, self.slot_rows = np.divmod(np.asarray(self.slot_mapping, dtype=np.int64), block_size)
-        self.decode_tables = _padded([tables[i] for i in owner.decodes]) if owner.decodes else None
+        # a lone decode over float blocks: its slot as two ints, split once for every layer
+        self.lone_slot = (int(self.slot_blocks[0]), int(self.slot_rows[0])) \
+            if len(self.slot_blocks) == 1 and isinstance(owner.key_cache[0], np.ndarray) else None
+        self.decode_tables = None
+        if owner.decodes:
+            self.decode_tables = _padded(tables if owner.only_decodes else [tables[i] for i in owner.decodes])
         self.decode_call = None  # compiled decodes: one kernel call a layer, its tables and ranges set up here
         self.seq_tables = {i: np.array([tables[i]], dtype=np.int64) for i in owner.others}
         self.decode_starts = None
@@ -306,9 +343,9 @@ class _PagedPlan:
                 from kvlab.kernels.attention import PagedDecodeCall
 
                 self.decode_call = PagedDecodeCall(self.decode_tables, owner.decode_lens, self.decode_starts,
-                                                   block_size, owner.key_cache[0].shape[1])
-        if not (owner.in_place or owner.batch_invariant and owner.decode_in_place):
-            return
+                                                   block_size, owner.kv_heads, owner.threads)
+        if not owner.others or not (owner.in_place or owner.batch_invariant and owner.decode_in_place):
+            return  # a decode step has no prefill chunk to plan
         from kvlab.kernels import prefill_attention
 
         for i in owner.others:
@@ -321,7 +358,7 @@ class _PagedPlan:
                 self.ranges[i] = (np.maximum(lo, batch.key_starts[i]), hi)
         ranged = [i for i in owner.others if self.ranges[i] is not None]
         if ranged and owner.batch_invariant:
-            self.prefill = _RowsCall(ranged, owner.starts, self.ranges, tables, block_size, owner.key_cache[0].shape[1])
+            self.prefill = _RowsCall(ranged, owner.starts, self.ranges, tables, block_size, owner.kv_heads)
         elif ranged:
             self.prefill = _PrefillCall(prefill_attention, ranged, owner.starts, self.ranges,
                                         [tables[i] for i in ranged])
@@ -378,7 +415,10 @@ def _chunk_rows(seqs: list[int], starts: np.ndarray, ranges: dict) -> tuple[np.n
 
 
 def _padded(tables: list[list[int]]) -> np.ndarray:
+    """Block tables as one [S, longest] int64 array, shorter rows padded with block 0 (never read)."""
     width = max(len(t) for t in tables)
+    if all(len(t) == width for t in tables):  # one table (batch 1), or tables alike: no padding to do
+        return np.array(tables, dtype=np.int64).reshape(len(tables), width)
     out = np.zeros((len(tables), width), dtype=np.int64)
     for row, table in enumerate(tables):
         out[row, :len(table)] = table
