@@ -227,8 +227,8 @@ class Engine:
                     plain.append(seq)
                     rows.append(row)
                 row += num_rows
-            if plain:
-                self.output_processor.process(plain, logits[rows])
+            if plain:  # every row plain (no guesses): the logits as they are, not a copy
+                self.output_processor.process(plain, logits if len(rows) == len(logits) else logits[rows])
             for seq in sampled:
                 progressed[seq.request.request_id] = seq.request
         # Held outputs first (aborts, and others' outputs kept by generate), unless superseded by a newer

@@ -46,6 +46,12 @@ class ModelRunner:
         """The flat batch of one step, and the sequences whose last scheduled token ends their known tokens
         (they get logits, in batch order: one row each, or 1 + len(draft) rows for a speculating sequence,
         its last token's and each guess's)."""
+        if all(num_new == 1 and not seq.draft for seq, num_new in scheduled):
+            return self._prepare_decodes([seq for seq, _ in scheduled])
+        return self._prepare_chunks(scheduled)
+
+    def _prepare_chunks(self, scheduled: list[tuple[Sequence, int]]) -> tuple[BatchInput, list[Sequence]]:
+        """`prepare` of any step: prefill chunks, decodes and guesses alike."""
         size = self.pool.block_size
         ids, positions, logits_rows, sampled = [], [], [], []
         slots: list[list[np.ndarray]] = [[] for _ in self.groups]
@@ -78,6 +84,26 @@ class ModelRunner:
             window_tables={g.window: ([_readable(g.table(s)) for s, _, _ in entries],
                                       np.concatenate(slots[g.index])) for g in self.groups[1:]} or None)
         return batch, sampled
+
+    def _prepare_decodes(self, seqs: list[Sequence]) -> tuple[BatchInput, list[Sequence]]:
+        """`prepare` of a step in which every sequence computes one token and guesses none (a decode step,
+        or a one-token chunk): the same batch, each array made once from plain ints."""
+        size = self.pool.block_size
+        starts = [seq.num_computed_tokens for seq in seqs]
+        rows = [row for row, (seq, start) in enumerate(zip(seqs, starts)) if start + 1 == seq.num_tokens]
+        self.counters.num_computed_tokens += len(seqs)
+        self.counters.num_prefill_tokens += sum(1 for seq in seqs if seq.num_tokens <= seq.request.num_prompt_tokens)
+        slots = [[table[start // size] * size + start % size for table, start in zip(tables, starts)]
+                 for tables in ([group.table(seq) for seq in seqs] for group in self.groups)]
+        batch = BatchInput(
+            token_ids=np.array([seq.token_ids[start] for seq, start in zip(seqs, starts)], dtype=np.int64),
+            positions=np.array(starts, dtype=np.int64), query_lens=[1] * len(seqs),
+            context_lens=[start + 1 for start in starts], block_tables=[_readable(s.block_table) for s in seqs],
+            slot_mapping=np.array(slots[0], dtype=np.int64), logits_indices=np.array(rows, dtype=np.int64),
+            key_starts=[self.bounds.key_start(s) for s in seqs] if self.bounds.policy else None,
+            window_tables={g.window: ([_readable(g.table(s)) for s in seqs], np.array(slots[g.index], dtype=np.int64))
+                           for g in self.groups[1:]} or None)
+        return batch, [seqs[row] for row in rows]
 
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[np.ndarray, list[Sequence]]:
         """One batched forward over every scheduled token; logits [len(sampled), vocab] and `sampled`."""

@@ -41,7 +41,10 @@ class OutputProcessor:
                     targets.append(child)
                     rows.append(row)
                 request.forked = True
-        tokens = sample_rows([target.sampler for target in targets], logits[rows])
+        if len(targets) == 1:  # batch 1 (the CLI's every step): its sampler on its row, no copy of the logits
+            tokens = targets[0].sampler(logits[rows[0]:rows[0] + 1])  # sample_rows' draw for one row
+        else:
+            tokens = sample_rows([target.sampler for target in targets], logits[rows])
         for target, row, token in zip(targets, rows, tokens.tolist()):
             reason = self.emit(target, token, logits[row])
             if reason is not None:

@@ -58,6 +58,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._admissions = 0
+        # nothing bounds a sequence's blocks but its length (one group, no window, no policy): evict and
+        # place_sinks are no-ops, so a step skips them
+        self._unbounded = len(self.groups) == 1 and all(
+            b.policy is None and b.sliding_window is None for b in (self.bounds, self.groups[0].bounds))
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -71,7 +75,10 @@ class Scheduler:
         scheduled: dict[Sequence, int] = {}
         budget = self.max_num_batched_tokens
         preempted = False
-        for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1):
+        running = self.running
+        order = list(running) if len(running) < 2 else \
+            sorted(running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1)
+        for seq in order:
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:
@@ -83,8 +90,9 @@ class Scheduler:
             unseen = seq.num_tokens - seq.num_computed_tokens
             num_new = min(unseen + len(seq.draft), budget, self._chunk_cap())
             seq.draft = seq.draft[:max(num_new - unseen, 0)]  # guesses ride along only where they fit
-            for group in self.groups:
-                group.bounds.evict(seq, num_new)
+            if not self._unbounded:
+                for group in self.groups:
+                    group.bounds.evict(seq, num_new)
             while (short := self._short_group(seq, num_new)) is not None:
                 victim = max(self.running, key=lambda s: (s.admitted_at, s.index))
                 if victim is seq and len(self.running) == 1:
@@ -103,7 +111,8 @@ class Scheduler:
                     break
             if seq.status is not Status.RUNNING:
                 continue
-            self.bounds.place_sinks(seq)
+            if not self._unbounded:
+                self.bounds.place_sinks(seq)
             for group in self.groups:
                 self._grow(group, seq, num_new)
             scheduled[seq] = num_new
@@ -237,7 +246,8 @@ class Scheduler:
             pool.make_private(table, seq.num_computed_tokens // pool.block_size,
                               seq.num_computed_tokens % pool.block_size)
         more = pool.blocks_for(seq.num_computed_tokens + num_new) - len(table)
-        table.extend(pool.allocate(more))
+        if more > 0:  # most decode steps write into the last block they hold
+            table.extend(pool.allocate(more))
 
     # --- state changes -------------------------------------------------------------------------------------
     def _start(self, seq: Sequence, admitted_at: int) -> None:
