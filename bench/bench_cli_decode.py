@@ -10,6 +10,12 @@ ratios new/old (the figure to quote).
     git worktree add /tmp/kvlab-old <commit>
     python bench/bench_cli_decode.py --old /tmp/kvlab-old --new . [--model PATH.gguf] [-n 128] [--rounds 6]
 
+Compare like with like: since abb984b a block-quantized GGUF file computes with int8 activations by default
+("q8"), where older trees default to exact float32 products; `--activations float32` (or q8, where both trees
+have it) passes the same products to both trees (every tree since --activations exists accepts both names).
+On a shared machine quote the median of the per-round ratios with their spread (min..max), never the best
+of one tree against the best of the other.
+
 Why a separate bench from bench_ab_decode.py: that one times the model's decode step in both trees; this
 one times the whole command, so it sees what changed around the step (e.g. the command moving from the
 contiguous cache to the engine: scheduler, block tables, detokenizing).
@@ -74,9 +80,9 @@ def main() -> None:
     for name in trees:
         print(f"{name}: best prefill {min(f[0] for f in figures[name]):.1f} ms, best decode "
               f"{min(f[1] for f in figures[name]):.2f} ms/token")
-    print(f"new/old decode ms/token: median of rounds {statistics.median(decode):.3f} "
-          f"(rounds {', '.join(f'{x:.3f}' for x in decode)})")
-    print(f"new/old prefill ms (TTFT): median of rounds {statistics.median(prefill):.3f}")
+    for label, ratios in (("decode ms/token", decode), ("prefill ms (TTFT)", prefill)):
+        print(f"new/old {label}: median of rounds {statistics.median(ratios):.3f}, spread "
+              f"{min(ratios):.3f}..{max(ratios):.3f} (rounds {', '.join(f'{x:.3f}' for x in ratios)})")
 
 
 if __name__ == "__main__":
