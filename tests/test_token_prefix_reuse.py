@@ -218,6 +218,19 @@ def _root_of(eng: Engine) -> bytes:
     return root_key(eng.model.fingerprint, eng.model.dtype, eng.kv_cache_dtype)
 
 
+def test_loading_a_session_whose_rows_are_all_cached_reports_them_all(tmp_path) -> None:
+    """Loading into the engine that computed the rows (whole blocks and the tail cached already) reports every
+    row as cached, as the next request finds them, and allocates nothing."""
+    eng = new_engine()
+    rows = computed_rows(eng, list(range(50, 60)), 1)  # 2 whole blocks of 4 and a tail of 2 (or 3) rows
+    assert save_session(eng, tmp_path / "all.kvc", rows, {}) == len(rows)
+    free = eng.block_pool.num_free_blocks
+    _, cached = load_session(eng, tmp_path / "all.kvc")
+    assert cached == len(rows) and eng.block_pool.num_free_blocks == free
+    assert eng.generate([rows + [7]], SamplingParams(max_tokens=1, **GREEDY))[0].num_cached_tokens == len(rows)
+    eng.block_pool.check_invariants()
+
+
 def test_rows_saved_from_later_blocks_are_the_sequences_own(tmp_path) -> None:
     """The second request's blocks are not the pool's first ones: the file holds its rows, not block 0's."""
     eng = new_engine()

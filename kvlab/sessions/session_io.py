@@ -60,8 +60,13 @@ def register_session(engine: Any, saved: SavedSession) -> int:
     hits, keys = cache.match(tokens, root)
     if not cache.enabled:
         return 0
+    whole_rows = len(tokens) // size * size
+    held_tail = len(hits) * size == whole_rows and len(tokens) > whole_rows and _tail_held(
+        cache, tokens, keys[-1] if keys else root, whole_rows)
     pool.acquire(hits)  # held while allocating, so eviction cannot hand out what is already matched
     try:
+        if held_tail:  # every row is cached already (the tail too): nothing to write
+            return len(tokens)
         wanted = max(min(-(-len(tokens) // size) - len(hits), pool.num_free_blocks), 0)
         blocks = pool.allocate(wanted)
         try:
@@ -83,6 +88,13 @@ def register_session(engine: Any, saved: SavedSession) -> int:
     finally:
         pool.release(hits)
     return cached
+
+
+def _tail_held(cache: Any, tokens: Sequence[int], parent: bytes, start: int) -> bool:
+    """Whether the prefix cache holds rows start: of `tokens` after the chain `parent` (a cached tail or a
+    full block that begins with them)."""
+    held = cache.match_tail(tokens, parent, start)
+    return held is not None and held[1] >= len(tokens) - start
 
 
 def load_session(engine: Any, path: str | Path) -> tuple[SavedSession, int]:
