@@ -70,16 +70,16 @@ def finish(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> 
 
 
 @pytest.mark.parametrize("model_args, engine_args, params", [
-    (dict(), dict(max_num_seqs=3), SamplingParams(max_tokens=9, ignore_eos=True)),
-    (dict(sliding_window=6), dict(max_num_seqs=3, block_size=4), SamplingParams(max_tokens=9, ignore_eos=True)),
-    (dict(num_hidden_layers=3, layer_types=(S, S, F), interleaved_sliding_window=5),
-     dict(max_num_seqs=3, block_size=4), SamplingParams(max_tokens=9, ignore_eos=True)),
-    (dict(), dict(max_num_seqs=3, block_size=4, kv_policy="sinks:4:12"), SamplingParams(max_tokens=16, ignore_eos=True)),
-    (dict(), dict(max_num_seqs=4, block_size=4), SamplingParams(max_tokens=7, n=2, temperature=0.9, seed=3,
-                                                                 ignore_eos=True)),
-    (dict(), dict(max_num_seqs=3, block_size=4, num_blocks=9), SamplingParams(max_tokens=12, ignore_eos=True)),
-    (dict(), dict(max_num_seqs=2, block_size=4, max_num_batched_tokens=1), SamplingParams(max_tokens=3,
-                                                                                          ignore_eos=True)),
+    ({}, {"max_num_seqs": 3}, SamplingParams(max_tokens=9, ignore_eos=True)),
+    ({"sliding_window": 6}, {"max_num_seqs": 3, "block_size": 4}, SamplingParams(max_tokens=9, ignore_eos=True)),
+    ({"num_hidden_layers": 3, "layer_types": (S, S, F), "interleaved_sliding_window": 5},
+     {"max_num_seqs": 3, "block_size": 4}, SamplingParams(max_tokens=9, ignore_eos=True)),
+    ({}, {"max_num_seqs": 3, "block_size": 4, "kv_policy": "sinks:4:12"}, SamplingParams(max_tokens=16, ignore_eos=True)),
+    ({}, {"max_num_seqs": 4, "block_size": 4}, SamplingParams(max_tokens=7, n=2, temperature=0.9, seed=3,
+                                                              ignore_eos=True)),
+    ({}, {"max_num_seqs": 3, "block_size": 4, "num_blocks": 9}, SamplingParams(max_tokens=12, ignore_eos=True)),
+    ({}, {"max_num_seqs": 2, "block_size": 4, "max_num_batched_tokens": 1}, SamplingParams(max_tokens=3,
+                                                                                         ignore_eos=True)),
 ])
 def test_a_decode_steps_batch_is_the_general_batch(checked_prepare, model_args, engine_args, params):
     """Windows, hybrid groups, a cache policy (key starts, evictions), n > 1 forks, a pool small enough to
@@ -111,7 +111,10 @@ def test_the_decode_call_reuses_its_query_buffer_but_never_its_output():
     """One PagedDecodeCall per step, called by every layer: the second call's output leaves the first's as it
     was; a call with another scale or dtype scales by that one. Each result is the NumPy twin's."""
     pytest.importorskip("numba")
-    from kvlab.kernels.attention import PagedDecodeCall, paged_decode_attention_reference
+    from kvlab.kernels.attention import (
+        PagedDecodeCall,
+        paged_decode_attention_reference,
+    )
 
     rng = np.random.default_rng(0)
     blocks, kv_heads, size, d, heads = 5, 2, 4, 16, 4
