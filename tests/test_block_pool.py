@@ -175,21 +175,23 @@ def test_a_block_both_free_and_in_use() -> None:
     broken(pool.check_invariants, "block in two states")
 
 
-def test_a_block_both_free_and_evictable() -> None:
-    pool, cache = make()
+def evictable_block(pool, cache) -> int:
+    """A block cached and released: evictable."""
     table = pool.allocate(1)
     cache.insert(table, [1, 2], ROOT, 2)
     pool.release(table)
-    pool._free.append(table[0])
+    return table[0]
+
+
+def test_a_block_both_free_and_evictable() -> None:
+    pool, cache = make()
+    pool._free.append(evictable_block(pool, cache))
     broken(pool.check_invariants, "block in two states")
 
 
 def test_a_block_both_evictable_and_in_use() -> None:
     pool, cache = make()
-    table = pool.allocate(1)
-    cache.insert(table, [1, 2], ROOT, 2)
-    pool.release(table)
-    pool.ref_counts[table[0]] = 1
+    pool.ref_counts[evictable_block(pool, cache)] = 1
     broken(pool.check_invariants, "block in two states")
 
 
