@@ -176,14 +176,16 @@ def test_memory_reports_the_resident_weight_bytes_of_a_gguf(tmp_path, types):
 def test_decode_rows_take_the_fused_kernels_and_prefill_rows_the_bands(tmp_path):
     """Which path runs, counted: a layer of all-quantized matrices takes the fused block kernels for up to
     `max_fused_rows` rows (decode, the engine's batched decode) and the dequantized bands + BLAS above;
-    a layer with an F16 matrix among Q8_0 ones never takes them. Both give the reference's logits (the
+    so does a layer whose q/k/v or gate/up differ in type (a stack of matrices); a layer with an F16 matrix
+    among Q8_0 ones never takes them. Both give the reference's logits (the
     test above), so only a count tells a wrong boundary from a right one."""
     import kvlab
     from kvlab.model.ops import QuantizedOps, make_ops
 
     from fused_calls import CountingFused as Counting
 
-    for types, fused in ((("Q8_0",), True), (("F16", "Q8_0"), False)):
+    # ("Q4_K", "Q6_K", "Q5_0") cycles q/k/v and gate/up over three types: stacks (RowStack) that fuse too
+    for types, fused in ((("Q8_0",), True), (("Q4_K", "Q6_K", "Q5_0"), True), (("F16", "Q8_0"), False)):
         path, _ = small_gguf(tmp_path, types)
         model, _ = kvlab.load(path, weights_dtype="stored", backend="numba", activations="float32")
         ops = model.ops

@@ -22,7 +22,7 @@ reference through the model's tests.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
 from numba.extending import overload
 
 from kvlab.kernels.decode_layer import bias_norm_rope_rows
@@ -62,15 +62,43 @@ def _product_impl(x, w, out):
     return lambda x, w, out: _float_product(x, w, out)
 
 
+def _stacked(x, w, out):
+    """out = x @ W.T for W one matrix (a `kernel_args` tuple) or matrices stacked by rows whose types differ
+    (a tuple of 2 or 3 of them: a Q4_K_M file's Q4_K q/k beside its Q6_K v), each product into its columns.
+    Each part is its own product, exactly as it would run alone (its own rounding of x to int8), so a row
+    gets the bits the step-by-step path's RowStack gives it."""
+
+
+@njit(cache=True)
+def _part(x, w, out, start):
+    """Columns start.. of out = x @ w.T for one matrix w; returns the column after them."""
+    rows = w[0].shape[0] * 8 + w[4].shape[0]
+    part = np.empty((x.shape[0], rows), dtype=out.dtype)
+    _product(x, w, part)
+    out[:, start:start + rows] = part
+    return start + rows
+
+
+@overload(_stacked)
+def _stacked_impl(x, w, out):
+    if isinstance(w[0], types.Array):
+        return lambda x, w, out: _product(x, w, out)
+    if len(w) == 2:
+        return lambda x, w, out: _part(x, w[1], out, _part(x, w[0], out, 0))
+    if len(w) == 3:
+        return lambda x, w, out: _part(x, w[2], out, _part(x, w[1], out, _part(x, w[0], out, 0)))
+    raise TypeError("a stack of 2 or 3 matrices")
+
+
 @njit(fastmath={"reassoc", "contract"}, cache=True)
 def qkv_rope(x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, out, zero):
-    """out [B, (H_q + 2 H_kv) d] = rms_norm(x) @ w_qkv.T + bias, then the per-head q/k norms (q_norm,
+    """out [B, (H_q + 2 H_kv) d] = rms_norm(x) @ w_qkv.T + bias (w_qkv one matrix or a stack: `_stacked`), then the per-head q/k norms (q_norm,
     k_norm [d], empty for none), then RoPE on the first `rotated_heads` heads: cos[b], sin[b] [2, d/2]
     row b's rotation, sin sign-folded ([-sin, sin]) as the model's `rotate_halves`. An empty `bias`
     means none."""
     xn = np.empty_like(x)
     rms_norm_rows(x, norm, eps, xn, zero)
-    _product(xn, w_qkv, out)
+    _stacked(xn, w_qkv, out)
     bias_norm_rope_rows(out, bias, q_norm, k_norm, q_heads, eps, zero, cos, sin, rotated_heads)
 
 
@@ -88,7 +116,7 @@ def output_mlp(x, attn, w_o, b_o, norm, eps, w_gate_up, w_down, zero):
     rms_norm_rows(x, norm, eps, xn, zero)
     inter = w_down[4].shape[1] * w_down[6]  # the down matrix's width
     gate_up = np.empty((batch, 2 * inter), dtype=x.dtype)
-    _product(xn, w_gate_up, gate_up)
+    _stacked(xn, w_gate_up, gate_up)
     act = np.empty((batch, inter), dtype=x.dtype)
     for b in range(batch):
         silu_times_up(gate_up[b], act[b], inter)

@@ -273,7 +273,7 @@ class QuantizedOps(CompiledOps):
             self.max_fused_rows = 1 << 62
 
     def bind(self, layers: Sequence[Any]) -> list[Any]:
-        from kvlab.model.quantized import QuantizedMatrix
+        from kvlab.model.quantized import QuantizedMatrix, RowStack
 
         # int8 activations: a row's integer sums and float32 steps (norms, activations: compiled row by row)
         # are the same whatever rows run beside it, so with batch-invariant attention a prefill gives each row
@@ -285,6 +285,9 @@ class QuantizedOps(CompiledOps):
                                        for name in ("w_qkv", "w_o", "w_gate_up", "w_down"))
 
         def args(w: Any) -> tuple | None:
+            if isinstance(w, RowStack):  # types differ: a tuple of the parts' tuples (qdecode_layer._stacked)
+                parts = [args(p) for p in w.parts]
+                return None if None in parts or len(parts) > 3 else tuple(parts)
             if not isinstance(w, QuantizedMatrix):
                 return None
             if self.activations == "q8":

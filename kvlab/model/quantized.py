@@ -503,5 +503,15 @@ QuantizedLinear = (QuantizedMatrix, RowStack)
 
 
 def stack_rows(parts: Sequence[np.ndarray | QuantizedMatrix]) -> QuantizedMatrix | RowStack:
-    """Row-stacked matrices (q/k/v, gate/up) where at least one is quantized: one matrix when they agree."""
-    return QuantizedMatrix.concat(parts) if QuantizedMatrix.can_concat(parts) else RowStack(parts)
+    """Row-stacked matrices (q/k/v, gate/up) where at least one is quantized: one matrix when they agree,
+    else a RowStack of the runs that agree (a Q4_K_M layer's Q4_K q and k as one matrix beside its Q6_K v:
+    one product fewer a step)."""
+    if QuantizedMatrix.can_concat(parts):
+        return QuantizedMatrix.concat(parts)
+    runs: list[list[np.ndarray | QuantizedMatrix]] = []
+    for part in parts:
+        if runs and QuantizedMatrix.can_concat([runs[-1][0], part]):
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return RowStack([QuantizedMatrix.concat(run) if len(run) > 1 else run[0] for run in runs])
