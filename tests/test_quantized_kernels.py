@@ -91,7 +91,7 @@ def test_inner_loop_is_eight_rows_in_a_vector_register():
 
     @njit  # not cached: numba inspects only code it compiled in this process
     def first_tile(x, xsum, codes, scales, offsets, group, out):
-        product_tile(x, xsum, codes, scales, offsets, group, out, 0)
+        product_tile(x, xsum, codes, scales, offsets, NO_OFFSETS, NO_OFFSETS, group, out, 0)
 
     rng = np.random.default_rng(0)
     for type_name, widen in (("Q8_0", "vpmovsxbd"), ("Q4_1", "vpmovzxbd")):

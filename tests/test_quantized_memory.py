@@ -207,16 +207,37 @@ def test_q4_0s_folded_offsets_compute_the_bits_of_stored_ones(rows, out, blocks,
 
 @pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_k_types_keep_their_scales_factored_in_the_integer_layout(type_name):
-    """A K type's scales (float16 d times a small sub-block scale) are kept by the integer kernels' layout as
-    an int8 a group and a float32 base a super-block and row: `kvlab memory` predicts those bytes before any
-    conversion, the rows and the float layout read back the same float32 values, and a Q4_K matrix keeps
-    about the file's bytes (float32 scales and offsets took 1.33x)."""
+    """A K type's scales (float16 d times a small sub-block scale) are kept by both layouts as an int8 a group
+    and a float32 base a super-block and row: `kvlab memory` predicts those bytes before any conversion,
+    the rows and the float layout read back the same float32 values, the exact products over the factored
+    float layout are the float32 scales' bits, and a Q4_K matrix keeps about the file's bytes (float32
+    scales and offsets took 1.33x)."""
     from gguf_files import blocks
+
+    from kvlab.kernels import AVAILABLE
 
     rows, cols = 21, 512  # two whole tiles and a tail of five rows
     matrix = QuantizedMatrix.from_blocks(type_name, blocks(type_name, rows, cols, np.random.default_rng(3), "mixed"),
                                          (rows, cols))
     before = matrix.unpacked
+    tiles = matrix.tiles  # the float layout, as loaded: factored too, and what `kvlab memory` predicts for it
+    assert tiles.scales.dtype == np.int8 and tiles.base_scales.shape == (2, cols // 256 * 8)
+    assert matrix.nbytes == matrix.resident_bytes("float32") == predicted_bytes(type_name, (rows, cols), "float32")
+    assert np.array_equal(matrix.rows(np.array([20, 3, 9, 3])).scales, before.scales[[20, 3, 9, 3]])
+    if AVAILABLE:  # the kernels over the factored scales against the same arrays with the float32 scales
+        from kvlab.kernels.qgemv import dequantize_tiles_t, qmatmul
+        from kvlab.model.ggml_quants import Unpacked
+        from kvlab.model.qtiles import expand_scales
+
+        widened = Unpacked(tiles.codes, expand_scales(tiles.scales, tiles.base_scales),
+                           None if tiles.offsets is None else expand_scales(tiles.offsets, tiles.base_offsets),
+                           tiles.group)
+        x = np.random.default_rng(4).standard_normal((5, cols)).astype(np.float32)
+        assert np.array_equal(qmatmul(x, tiles, matrix.tail), qmatmul(x, widened, matrix.tail))
+        bands = [np.empty((cols, 16), dtype=np.float32) for _ in range(2)]
+        dequantize_tiles_t(tiles, 0, 2, bands[0])
+        dequantize_tiles_t(widened, 0, 2, bands[1])
+        assert np.array_equal(bands[0], bands[1])
     predicted = matrix.resident_bytes("q8")
     assert predicted == predicted_bytes(type_name, (rows, cols), "q8")
     layout = matrix.dot_layout

@@ -77,8 +77,8 @@ def _own_dtype(model: SizedModel) -> str:
 
 def gguf_weight_bytes(path: str) -> dict[str, int] | None:
     """Resident weight bytes of a GGUF file's tensors, from its directory alone: kept as stored (what
-    `kvlab.load` keeps: block types unpacked as codes + float32 scales/offsets, F16/BF16 half, the rest
-    float32), the same with `activations="q8"` (the integer kernels' layout instead: the file's own bytes
+    `kvlab.load` keeps: block types unpacked as codes + float32 scales/offsets (a K type's factored), F16/BF16
+    half, the rest float32), the same with `activations="q8"` (the integer kernels' layout instead: the file's own bytes
     for the float16-scale types), dequantized to float32 (`weights_dtype="float32"`), the file's tensor
     bytes, and the largest tensor as stored (what a load holds twice for a moment). None for an HF model."""
     from kvlab.gguf.loader import gguf_file
@@ -315,7 +315,7 @@ def _print(result: dict[str, Any], model: SizedModel, rows: list[GroupBytes], un
         con.print(f"weights resident: [bold]{human_bytes(weights['weights_stored_q8'])}[/] with int8 activations "
                   f"(q8, the default for block types; the file's tensors: {human_bytes(weights['file_tensors'])}), "
                   f"{human_bytes(weights['weights_stored'])} with exact products (--activations float32: GGUF "
-                  "blocks as codes + float32 scales), "
+                  "blocks as codes + scales), "
                   f"{human_bytes(weights['weights_float32'])} dequantized to float32")
     if budget is not None:
         fit = result["tokens_in_budget"]

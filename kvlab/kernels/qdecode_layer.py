@@ -48,7 +48,7 @@ def _float_product(x, w, out):
     tiles = w[0].shape[0]
     for t in prange(tiles + 1):
         if t < tiles:
-            product_tile(x, tile_sum, w[0], w[1], w[2], w[6], out, t)
+            product_tile(x, tile_sum, w[0], w[1], w[2], w[8], w[9], w[6], out, t)
         else:
             tail_rows(x, xsum, w[3], w[4], w[5], w[6], out, tiles * 8)
 

@@ -24,20 +24,21 @@ NO_OFFSETS = np.zeros((0, 0), dtype=np.float32)
 
 
 @njit(cache=True, inline="always")
-def product_tile(x, xsum, codes, scales, offsets, group, out, t):
-    """out[:, 8t:8t+8] = x @ (tile t's eight rows).T for every row of x."""
+def product_tile(x, xsum, codes, scales, offsets, base_scales, base_offsets, group, out, t):
+    """out[:, 8t:8t+8] = x @ (tile t's eight rows).T for every row of x (scales and offsets as qsimd takes
+    them: float32, or factored int8 with their bases)."""
     rows = x.shape[0]
     m = 0
     while m + 4 <= rows:
-        tile_product_4(x, m, xsum, codes, scales, offsets, group, t, out)
+        tile_product_4(x, m, xsum, codes, scales, offsets, base_scales, base_offsets, group, t, out)
         m += 4
     left = rows - m
     if left == 1:
-        tile_product_1(x, m, xsum, codes, scales, offsets, group, t, out)
+        tile_product_1(x, m, xsum, codes, scales, offsets, base_scales, base_offsets, group, t, out)
     elif left == 2:
-        tile_product_2(x, m, xsum, codes, scales, offsets, group, t, out)
+        tile_product_2(x, m, xsum, codes, scales, offsets, base_scales, base_offsets, group, t, out)
     elif left == 3:
-        tile_product_3(x, m, xsum, codes, scales, offsets, group, t, out)
+        tile_product_3(x, m, xsum, codes, scales, offsets, base_scales, base_offsets, group, t, out)
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
@@ -87,13 +88,14 @@ def group_sums_into(x, group, xsum):
 
 
 @njit(parallel=True, cache=True)
-def _qmatmul(x, xsum, t_xsum, codes, scales, offsets, t_codes, t_scales, t_offsets, group, out):
+def _qmatmul(x, xsum, t_xsum, codes, scales, offsets, t_codes, t_scales, t_offsets, group, base_scales, base_offsets,
+             out):
     """out [M, N] = x @ W.T for W as (tiles, tail); tiles over the threads, the tail on the last index. The
     tiles' offsets multiply `xsum`, the tail's `t_xsum` (they differ by a folded factor: `kernel_args`)."""
     tiles = codes.shape[0]
     for t in prange(tiles + 1):
         if t < tiles:
-            product_tile(x, xsum, codes, scales, offsets, group, out, t)
+            product_tile(x, xsum, codes, scales, offsets, base_scales, base_offsets, group, out, t)
         else:
             tail_rows(x, t_xsum, t_codes, t_scales, t_offsets, group, out, tiles * 8)
 
@@ -222,14 +224,18 @@ def tile_offsets(tiles) -> tuple[np.ndarray, np.float32]:
 
 
 def kernel_args(tiles, tail) -> tuple:
-    """(codes, scales, offsets, tail codes, tail scales, tail offsets, group, factor) as the kernels take
-    them: absent offsets as an empty array; offsets folded into the scales (Unpacked.offset_scale: Q4_0's
-    -8 * scale) as the scales themselves, with the factor that multiplies the group sums of x they meet
-    (1 otherwise). fma(scale, -8 * sum, acc) and fma(-8 * scale, sum, acc) round the same exact product
-    (a power of two moves no bit): the same result as stored offsets, without the array."""
+    """(codes, scales, offsets, tail codes, tail scales, tail offsets, group, factor, base scales, base
+    offsets) as the kernels take them: absent offsets as an empty array; offsets folded into the scales
+    (Unpacked.offset_scale: Q4_0's -8 * scale) as the scales themselves, with the factor that multiplies the
+    group sums of x they meet (1 otherwise); a K type's factored scales and offsets (int8) with their
+    float32 bases, which have no columns otherwise. fma(scale, -8 * sum, acc) and fma(-8 * scale, sum, acc)
+    round the same exact product (a power of two moves no bit): the same result as stored offsets, without
+    the array."""
     offsets, factor = tile_offsets(tiles)
     return (tiles.codes, tiles.scales, offsets, tail.codes, tail.scales,
-            NO_OFFSETS if tail.offsets is None else tail.offsets, tiles.group, factor)
+            NO_OFFSETS if tail.offsets is None else tail.offsets, tiles.group, factor,
+            NO_OFFSETS if tiles.base_scales is None else tiles.base_scales,
+            NO_OFFSETS if tiles.base_offsets is None else tiles.base_offsets)
 
 
 def qmatmul(x: np.ndarray, tiles, tail) -> np.ndarray:
@@ -239,12 +245,12 @@ def qmatmul(x: np.ndarray, tiles, tail) -> np.ndarray:
     out = np.empty((x.shape[0], rows), dtype=np.float32)
     xsum = group_sums(x, tiles.group) if args[2].shape[0] or args[5].shape[0] else NO_OFFSETS
     t_xsum = xsum * args[7] if args[7] != 1 and args[2].shape[0] else xsum
-    _qmatmul(x, t_xsum, xsum, *args[:7], out)
+    _qmatmul(x, t_xsum, xsum, *args[:7], args[8], args[9], out)
     return out
 
 
 @njit(parallel=True, cache=True)
-def _dequantize_tiles_t(codes, scales, offsets, factor, group, t0, t1, out):
+def _dequantize_tiles_t(codes, scales, offsets, base_scales, base_offsets, factor, group, t0, t1, out):
     """out[k, 8(t - t0) + r] = scale * code + offset * factor for tiles t0..t1-1 (factor 1, or a folded
     offset's power of two: exact): the band transposed, so a tile's eight interleaved codes of one column
     land in eight adjacent floats (the r loop vectorises: loads and stores both contiguous). IEEE float32
@@ -253,6 +259,8 @@ def _dequantize_tiles_t(codes, scales, offsets, factor, group, t0, t1, out):
     nibbles = 2 * codes.shape[1] == groups * group * 8
     per = group // 2 if nibbles else group
     has_offsets = offsets.shape[0] > 0
+    # a K type's factored scales/offsets: int8 times a float32 base per super-block of `block` groups
+    block = groups // max(base_scales.shape[1] // 8, 1)
     for t in prange(t0, t1):
         base = (t - t0) * 8
         for g in range(groups):
@@ -260,20 +268,28 @@ def _dequantize_tiles_t(codes, scales, offsets, factor, group, t0, t1, out):
                 c0 = (g * per + j) * 8
                 k = g * group + j
                 for r in range(8):
-                    s = scales[t, g * 8 + r]
+                    s = np.float32(scales[t, g * 8 + r])
+                    if base_scales.shape[1]:
+                        s = base_scales[t, g // block * 8 + r] * s
+                    o = np.float32(0)
+                    if has_offsets:
+                        o = np.float32(offsets[t, g * 8 + r])
+                        if base_offsets.shape[1]:
+                            o = base_offsets[t, g // block * 8 + r] * o
+                        o = o * factor
                     if nibbles:
                         byte = np.int32(codes[t, c0 + r])
                         low = np.float32(byte & 15) * s
                         high = np.float32(byte >> 4) * s
                         if has_offsets:
-                            low += offsets[t, g * 8 + r] * factor
-                            high += offsets[t, g * 8 + r] * factor
+                            low += o
+                            high += o
                         out[k, base + r] = low
                         out[k + per, base + r] = high
                     else:
                         value = np.float32(codes[t, c0 + r]) * s
                         if has_offsets:
-                            value += offsets[t, g * 8 + r] * factor
+                            value += o
                         out[k, base + r] = value
 
 
@@ -281,4 +297,7 @@ def dequantize_tiles_t(tiles, t0: int, t1: int, out: np.ndarray) -> None:
     """Tiles t0..t1-1 of a tiled matrix (model/qtiles.py) as float32 columns: out [K, 8 (t1 - t0)] is the
     transposed band of rows, a prefill's weights dequantized where BLAS reads them (x @ out)."""
     offsets, factor = tile_offsets(tiles)
-    _dequantize_tiles_t(tiles.codes, tiles.scales, offsets, factor, tiles.group, t0, t1, out)
+    _dequantize_tiles_t(tiles.codes, tiles.scales, offsets,
+                        NO_OFFSETS if tiles.base_scales is None else tiles.base_scales,
+                        NO_OFFSETS if tiles.base_offsets is None else tiles.base_offsets, factor, tiles.group, t0, t1,
+                        out)

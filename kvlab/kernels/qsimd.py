@@ -13,12 +13,14 @@ loop over k instead (a horizontal sum per group and per row, as before) or not a
 vectors give the lanes-are-rows loop (`tile_product`'s assembly holds vpmovsxbd/vcvtdq2ps/vfmadd231ps on
 ymm registers, tests/test_quantized_kernels.py checks it).
 
-`tile_product_R(x, m0, xsum, codes, scales, offsets, group, t, out)` (R = 1..4 rows of x, each a
-compile-time constant so the R accumulators stay in registers) writes out[m0:m0+R, 8t:8t+8] = the R rows
-x[m0:m0+R] times tile t's eight weight rows. Codes int8 [T, G*group*8] or nibbles uint8 [T, G*group*4]
-(byte (g, j, r): row r's weight j of group g in its low nibble, weight j + 16 in its high); scales and
-offsets float32 [T, G*8]; an offsets array with no rows means none (then xsum is not read); xsum [M, G]
-float32 the group sums of x.
+`tile_product_R(x, m0, xsum, codes, scales, offsets, base_scales, base_offsets, group, t, out)` (R = 1..4
+rows of x, each a compile-time constant so the R accumulators stay in registers) writes out[m0:m0+R,
+8t:8t+8] = the R rows x[m0:m0+R] times tile t's eight weight rows. Codes int8 [T, G*group*8] or nibbles
+uint8 [T, G*group*4] (byte (g, j, r): row r's weight j of group g in its low nibble, weight j + 16 in its
+high); scales and offsets float32 [T, G*8], or a K type's factored int8 [T, G*8] with float32 bases
+[T, SB*8] a super-block and row (model/qtiles.factor_scales: base * float(int) is the float32 scale, bit
+for bit, so the products are the same); an offsets array with no rows means none (then xsum is not read);
+xsum [M, G] float32 the group sums of x.
 x, xsum and out C-contiguous float32.
 """
 
@@ -64,19 +66,21 @@ def _make_tile_product(rows: int):
     unroll = UNROLL[rows]
 
     @intrinsic
-    def tile_product(typingctx, x, m0, xsum, codes, scales, offsets, group, t, out):
+    def tile_product(typingctx, x, m0, xsum, codes, scales, offsets, base_scales, base_offsets, group, t, out):
         signed = codes.dtype == types.int8
         if not signed and codes.dtype != types.uint8:
             return None
-        sig = types.void(x, m0, xsum, codes, scales, offsets, group, t, out)
+        if scales.dtype not in (types.float32, types.int8) or offsets.dtype not in (types.float32, types.int8):
+            return None
+        factored, factored_offsets = scales.dtype == types.int8, offsets.dtype == types.int8
+        sig = types.void(x, m0, xsum, codes, scales, offsets, base_scales, base_offsets, group, t, out)
 
         def codegen(context, builder, signature, args):
-            xa, m0v, xsa, ca, sa, oa, groupv, tv, outa = args
+            xa, m0v, xsa, ca, sa, oa, bsa, boa, groupv, tv, outa = args
             arrays = [cgutils.create_struct_proxy(ty)(context, builder, value=v)
-                      for ty, v in zip((signature.args[0], signature.args[2], signature.args[3],
-                                        signature.args[4], signature.args[5], signature.args[8]),
-                                       (xa, xsa, ca, sa, oa, outa))]
-            xs, sums, cs, ss, os_, outs = arrays
+                      for ty, v in zip([signature.args[i] for i in (0, 2, 3, 4, 5, 6, 7, 10)],
+                                       (xa, xsa, ca, sa, oa, bsa, boa, outa))]
+            xs, sums, cs, ss, os_, bss, bos, outs = arrays
             intp = context.get_value_type(types.intp)
             width = cgutils.unpack_tuple(builder, xs.shape)[1]
             code_row = cgutils.unpack_tuple(builder, cs.shape)[1]
@@ -93,6 +97,21 @@ def _make_tile_product(rows: int):
             code_base = builder.gep(cs.data, [builder.mul(t_v, code_row)])
             scale_base = builder.gep(ss.data, [builder.mul(t_v, scale_row)])
             offset_base = builder.gep(os_.data, [builder.mul(t_v, scale_row)])
+            base_row = cgutils.unpack_tuple(builder, bss.shape)[1]
+            base_scale_row = builder.gep(bss.data, [builder.mul(t_v, base_row)])
+            base_offset_row = builder.gep(bos.data, [builder.mul(t_v, base_row)])
+            # groups per super-block (8 or 16), read only when factored
+            per = builder.udiv(n_groups, builder.udiv(base_row, ir.Constant(intp, LANES))) \
+                if factored or factored_offsets else None
+
+            def lane_values(kind_int8: bool, row: ir.Value, base: ir.Value, lane0: ir.Value, g: ir.Value) -> ir.Value:
+                """The eight rows' scale (or offset) of group g as float32 lanes: stored, or a K type's
+                factored int times its super-block's base (the same float32 value, exact)."""
+                if kind_int8:
+                    ints = builder.sitofp(builder.sext(_load(builder, row, lane0, _V8I8), _V8I32), _V8F)
+                    block0 = builder.mul(builder.udiv(g, per), ir.Constant(intp, LANES))
+                    return builder.fmul(_load(builder, base, block0, _V8F), ints)
+                return _load(builder, row, lane0, _V8F)
             x_rows = [builder.gep(xs.data, [builder.mul(builder.add(m0_v, ir.Constant(intp, i)), width)])
                       for i in range(rows)]
             sum_rows = [builder.gep(sums.data, [builder.mul(builder.add(m0_v, ir.Constant(intp, i)), sum_row)])
@@ -133,14 +152,14 @@ def _make_tile_product(rows: int):
                                 builder.store(_fma(builder, x_high, high,
                                                    _fma(builder, x_low, low, builder.load(a))), a)
                 lane0 = builder.mul(g, ir.Constant(intp, LANES))
-                scale = _load(builder, scale_base, lane0, _V8F)
+                scale = lane_values(factored, scale_base, base_scale_row, lane0, g)
                 for i in range(rows):
                     dot = builder.load(acc[i][0])
                     for a in acc[i][1:]:
                         dot = builder.fadd(dot, builder.load(a))
                     builder.store(_fma(builder, scale, dot, builder.load(total[i])), total[i])
                 with builder.if_then(has_offsets, likely=True):
-                    offset = _load(builder, offset_base, lane0, _V8F)
+                    offset = lane_values(factored_offsets, offset_base, base_offset_row, lane0, g)
                     for i in range(rows):
                         xsum_g = _broadcast(builder, builder.load(builder.gep(sum_rows[i], [g])))
                         builder.store(_fma(builder, offset, xsum_g, builder.load(total[i])), total[i])

@@ -58,13 +58,17 @@ def resident_bytes(type_name: str, shape: tuple[int, int]) -> int:
 class Unpacked:
     """codes [N, K] int8 or [N, K/2] uint8 nibbles; scales/offsets [N, K/group]; offsets None if zero, or
     when `offset_scale` is set, `offset_scale * scales` (Q4_0's -8 * scale, exact: kept only as the factor
-    by the quantized matrices' tiles, so a Q4_0 model holds no offsets array)."""
+    by the quantized matrices' tiles, so a Q4_0 model holds no offsets array). A K type's tiles may keep
+    their scales (and offsets) factored: int8 a group with `base_scales` (`base_offsets`) float32 a
+    super-block and row, the same float32 values (model/qtiles.factor_scales)."""
 
     codes: np.ndarray
     scales: np.ndarray
     offsets: np.ndarray | None
     group: int
     offset_scale: float | None = None
+    base_scales: np.ndarray | None = None
+    base_offsets: np.ndarray | None = None
 
     @property
     def nibbles(self) -> bool:

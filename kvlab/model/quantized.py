@@ -35,20 +35,21 @@ TILE_VALUES = 1 << 18  # float32 values of one dequantized tile in a prefill pro
 # types whose offsets are a power of two times the scale, kept as that factor in the float layout's tiles
 FOLDED_OFFSETS = {"Q4_0": -8.0}
 # types whose scales are the file's own float16 (the dot layout keeps them so); the K types' product scales
-# (d * sub-block scale) are rarely exact in float16: the dot layout keeps them factored (an int8 a group, a
-# float32 base a super-block and row: qtiles.factor_scales)
+# (d * sub-block scale) are rarely exact in float16: both layouts keep them factored (an int8 a group, a
+# float32 base a super-block and row: qtiles.factor_scales, `factored_tiles`)
 HALF_SCALE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 
 def predicted_bytes(type_name: str, shape: tuple[int, int], activations: str = "float32") -> int:
     """Bytes a [N, K] matrix of `type_name` is kept in by a model computing with `activations`, without
-    reading it (`kvlab memory --model`): the float layout (ggml_quants.resident_bytes), or for "q8" the
-    integer kernels' layout of the whole tiles (codes alike, scales float16 for HALF_SCALE_TYPES, a K type's
-    scales and offsets factored, Q4_0's offsets folded) plus the tail rows in the float layout. For the
-    float16-scale types the q8 figure is the file's own bytes."""
+    reading it (`kvlab memory --model`): the float layout (ggml_quants.resident_bytes, a K type's scales and
+    offsets factored), or for "q8" the integer kernels' layout of the whole tiles (codes alike, scales
+    float16 for HALF_SCALE_TYPES, a K type's factored as in the float layout, Q4_0's offsets folded) plus
+    the tail rows in the float layout. For the float16-scale types the q8 figure is the file's own bytes."""
     rows, cols = shape
     tiled = rows // LANES * LANES
-    if activations != "q8":  # Q4_0's tiles keep no offsets (FOLDED_OFFSETS), its tail rows do
+    k_type = type_name not in HALF_SCALE_TYPES
+    if activations != "q8" and not k_type:  # Q4_0's tiles keep no offsets (FOLDED_OFFSETS), its tail rows do
         folded = tiled * cols // GROUPS[type_name] * 4 if type_name in FOLDED_OFFSETS else 0
         return resident_bytes(type_name, shape) - folded
     code_bytes = cols // 2 if type_name in NIBBLE_TYPES else cols
@@ -67,7 +68,8 @@ class QuantizedMatrix:
     (the N % 8 rows after them, row-ordered codes/scales/offsets, model/qtiles.py, model/ggml_quants.py).
 
     The layouts: `tiles`, the float kernels' (codes, float32 scales and offsets, interleaved by row: the
-    exact products, kernels/qgemv.py; Q4_0's offsets as the factor -8 on the scales, FOLDED_OFFSETS), and
+    exact products, kernels/qgemv.py; Q4_0's offsets as the factor -8 on the scales, FOLDED_OFFSETS; a K
+    type's factored as in the dot layout), and
     `dot_layout`, the integer kernels' (codes in quads, float16 scales where exact, a K type's factored,
     Q4_0's offsets folded into a bias: `activations="q8"`, kernels/qdot.py). Asking
     for one converts from the other and drops it (a permutation of the same codes, the same values), so a
@@ -95,7 +97,7 @@ class QuantizedMatrix:
         tiles, tail = to_tiles(unpacked, tail_offsets_only=folded)
         if folded:
             tiles = Unpacked(tiles.codes, tiles.scales, None, tiles.group, FOLDED_OFFSETS[type_name])
-        return cls(type_name, tiles, tail)
+        return cls(type_name, factored_tiles(type_name, tiles), tail)
 
     @classmethod
     def from_blocks(cls, type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> "QuantizedMatrix":
@@ -149,7 +151,7 @@ class QuantizedMatrix:
             return codes, scales, no_offsets, 8, base_scales, base_offsets
         if not t.nibbles:
             return codes, scales, offsets, 128, base_scales, base_offsets
-        if t.offsets is not None and np.array_equal(t.offsets, t.scales * np.float32(-8)):
+        if t.offsets is not None and t.base_scales is None and np.array_equal(t.offsets, t.scales * np.float32(-8)):
             return codes, scales, no_offsets, 8, base_scales, base_offsets
         return codes, scales, offsets, 0, base_scales, base_offsets
 
@@ -158,6 +160,8 @@ class QuantizedMatrix:
         float16 bits where exact, a K type's factored ints and bases, else float32 (`dot_layout`)."""
         none = np.zeros((0, 0), dtype=np.float32)
         offsets = none if t.offsets is None else t.offsets
+        if t.base_scales is not None:  # factored already (a K type's float layout): the same arrays
+            return t.scales, offsets, t.base_scales, none if t.base_offsets is None else t.base_offsets
         with np.errstate(over="ignore"):  # a K type's product scale past float16's range: not float16
             half = t.scales.astype(np.float16)
         if np.array_equal(half.astype(np.float32), t.scales):
@@ -192,6 +196,11 @@ class QuantizedMatrix:
         """The float layout, whichever is resident (a new array when it is the dot layout)."""
         if self._tiles is not None:
             return self._tiles
+        _, dot_scales, dot_offsets, _, base_scales, base_offsets = self._dot
+        if dot_scales.dtype == np.int8:  # a K type's factored scales: the float layout keeps them so too
+            codes = from_dot_codes(self._dot[0], self.tail.scales.shape[1])
+            return Unpacked(codes, dot_scales, dot_offsets if dot_offsets.shape[0] else None, self.group, None,
+                            base_scales, base_offsets if base_offsets.size else None)
         scales, offsets = self._dot_scales_offsets()
         codes = from_dot_codes(self._dot[0], self.tail.scales.shape[1])
         fold = FOLDED_OFFSETS.get(self.type_name)
@@ -230,8 +239,9 @@ class QuantizedMatrix:
     def nbytes(self) -> int:
         """Resident bytes (the resident layout's codes, scales and offsets, and the tail's; no row padded)."""
         with self._lock:
-            arrays = ((*self._dot[:3], *self._dot[4:]) if self._tiles is None else
-                      (self._tiles.codes, self._tiles.scales, self._tiles.offsets))
+            t = self._tiles
+            arrays = ((*self._dot[:3], *self._dot[4:]) if t is None else
+                      (t.codes, t.scales, t.offsets, t.base_scales, t.base_offsets))
             tail = (self.tail.codes, self.tail.scales, self.tail.offsets)
             return sum(a.nbytes for a in (*arrays, *tail) if a is not None)
 
@@ -247,6 +257,8 @@ class QuantizedMatrix:
         codes = (self._tiles.codes if self._tiles is not None else self._dot[0]).nbytes
         tail = sum(a.nbytes for a in (self.tail.codes, self.tail.scales, self.tail.offsets) if a is not None)
         if want == "float":
+            if self._dot[1].dtype == np.int8:  # factored: the float layout keeps the same arrays
+                return codes + sum(a.nbytes for a in (*self._dot[1:3], *self._dot[4:])) + tail
             per_group = 4 * (2 if self.type_name in OFFSET_TYPES and self.type_name not in FOLDED_OFFSETS else 1)
             return codes + tiled * groups * per_group + tail
         scales = self._dot_scales(self._tiles)  # as `_make_dot` decides (the codes are not converted)
@@ -271,6 +283,8 @@ class QuantizedMatrix:
         if isinstance(index, slice):
             index = np.arange(self.shape[0])[index]
         with self._lock:
+            if self._tiles is not None and self._tiles.base_scales is not None:
+                return gather_rows(*self._widened_tiles(np.asarray(index, dtype=np.int64).reshape(-1), codes))
             if self._tiles is not None:
                 t = self._tiles
                 picked = gather_rows(t if codes else Unpacked(None, t.scales, t.offsets, t.group), self.tail, index)
@@ -307,6 +321,20 @@ class QuantizedMatrix:
                 picked[~inside] = self.tail.codes[tail_rows]
             return Unpacked(picked, scales, offsets, self.group)
 
+    def _widened_tiles(self, index: np.ndarray, codes: bool) -> tuple[Unpacked, Unpacked, np.ndarray]:
+        """(tiles, tail, index) for `gather_rows` from a float layout with factored scales: only the tiles
+        the rows sit in, their scales and offsets widened to float32 (base * int, exact), `index` moved to
+        them (an embedding lookup must not widen the whole table)."""
+        t = self._tiles
+        whole = t.scales.shape[0] * LANES
+        inside = index < whole
+        needed, local = np.unique(index[inside] // LANES, return_inverse=True)
+        moved = index - whole + needed.shape[0] * LANES
+        moved[inside] = local.reshape(-1) * LANES + index[inside] % LANES
+        offsets = None if t.offsets is None else expand_scales(t.offsets[needed], t.base_offsets[needed])
+        return (Unpacked(t.codes[needed] if codes else None, expand_scales(t.scales[needed], t.base_scales[needed]),
+                         offsets, t.group), self.tail, moved)
+
     def row_view(self, start: int, stop: int) -> "QuantizedMatrix":
         """Rows start:stop sharing this matrix's arrays when both ends fall on tile boundaries (or stop is
         the last row), else a copy (`take_rows`). Why: a reader that stacks q/k/v (gate/up) once hands the
@@ -323,9 +351,12 @@ class QuantizedMatrix:
         with self._lock:
             t, dot = self._tiles, self._dot
         if t is not None:
-            view = QuantizedMatrix(self.type_name, Unpacked(t.codes[t0:t1], t.scales[t0:t1],
-                                                            None if t.offsets is None else t.offsets[t0:t1], t.group,
-                                                            t.offset_scale), tail)
+            def part(a: np.ndarray | None) -> np.ndarray | None:
+                return None if a is None else a[t0:t1]
+
+            view = QuantizedMatrix(self.type_name, Unpacked(t.codes[t0:t1], t.scales[t0:t1], part(t.offsets), t.group,
+                                                            t.offset_scale, part(t.base_scales),
+                                                            part(t.base_offsets)), tail)
         else:  # the same rows of the integer kernels' layout (an empty offsets array means none: kept as is)
             codes, scales, offsets, bias, base_scales, base_offsets = dot
 
@@ -500,6 +531,21 @@ class RowStack:
 
 
 QuantizedLinear = (QuantizedMatrix, RowStack)
+
+
+def factored_tiles(type_name: str, tiles: Unpacked) -> Unpacked:
+    """A K type's tiles with their scales (and offsets) factored where that is exact (qtiles.factor_scales:
+    an int8 a group, a float32 base a super-block and row), so that both layouts keep 1 byte a group, not 4;
+    other types' tiles, and a K type whose values do not factor, as they are."""
+    if not type_name.endswith("_K") or tiles.base_scales is not None:
+        return tiles
+    per = BLOCK_SIZES[type_name][0] // tiles.group
+    scales = factor_scales(tiles.scales, per)
+    offsets = None if tiles.offsets is None else factor_scales(tiles.offsets, per)
+    if scales is None or (tiles.offsets is not None and offsets is None):
+        return tiles
+    return Unpacked(tiles.codes, scales[0], None if offsets is None else offsets[0], tiles.group, None, scales[1],
+                    None if offsets is None else offsets[1])
 
 
 def stack_rows(parts: Sequence[np.ndarray | QuantizedMatrix]) -> QuantizedMatrix | RowStack:
