@@ -263,20 +263,25 @@ def _dequantize_tiles_t(codes, scales, offsets, base_scales, base_offsets, facto
     block = groups // max(base_scales.shape[1] // 8, 1)
     for t in prange(t0, t1):
         base = (t - t0) * 8
+        lane_scale = np.empty(8, dtype=np.float32)  # the group's eight scales and offsets (times factor)
+        lane_offset = np.zeros(8, dtype=np.float32)
         for g in range(groups):
+            for r in range(8):
+                s = np.float32(scales[t, g * 8 + r])
+                if base_scales.shape[1]:
+                    s = base_scales[t, g // block * 8 + r] * s
+                lane_scale[r] = s
+                if has_offsets:
+                    o = np.float32(offsets[t, g * 8 + r])
+                    if base_offsets.shape[1]:
+                        o = base_offsets[t, g // block * 8 + r] * o
+                    lane_offset[r] = o * factor
             for j in range(per):
                 c0 = (g * per + j) * 8
                 k = g * group + j
                 for r in range(8):
-                    s = np.float32(scales[t, g * 8 + r])
-                    if base_scales.shape[1]:
-                        s = base_scales[t, g // block * 8 + r] * s
-                    o = np.float32(0)
-                    if has_offsets:
-                        o = np.float32(offsets[t, g * 8 + r])
-                        if base_offsets.shape[1]:
-                            o = base_offsets[t, g // block * 8 + r] * o
-                        o = o * factor
+                    s = lane_scale[r]
+                    o = lane_offset[r]
                     if nibbles:
                         byte = np.int32(codes[t, c0 + r])
                         low = np.float32(byte & 15) * s
