@@ -106,6 +106,62 @@ def test_inner_loop_is_eight_rows_in_a_vector_register():
         assert not any("vhaddps" in line or "vextractf128" in line for line in lines)  # no horizontal sums
 
 
+# --- matrices of different types stacked by rows (a Q4_K_M layer's q/k/v) -------------------------------
+_STACKED_RUNNER = {}
+
+
+def _stacked_runner():
+    """An njit wrapper of qdecode_layer._stacked (an overload: callable from compiled code only)."""
+    if "run" not in _STACKED_RUNNER:
+        from numba import njit
+
+        from kvlab.kernels import qdecode_layer
+
+        @njit
+        def run(x, w, out):
+            qdecode_layer._stacked(x, w, out)
+
+        _STACKED_RUNNER["run"] = run
+    return _STACKED_RUNNER["run"]
+
+
+@needs_numba
+# (each case compiles its stack; the float layout's K-type stacks run through a model in
+# test_quantized_weights.py's mixed-type file)
+@pytest.mark.parametrize("activations, types", [("q8", ("Q4_K", "Q6_K")), ("q8", ("Q5_0", "Q8_0", "Q4_1")),
+                                                ("float32", ("Q5_0", "Q8_0", "Q4_1"))])
+@settings(max_examples=6, deadline=None)
+@given(heights=st.lists(st.integers(1, 28), min_size=3, max_size=3), rows=st.integers(1, 16),
+       seed=st.integers(0, 2**16))
+def test_stacked_products_are_each_parts_product_in_its_columns(types, activations, heights, rows, seed):
+    """The fused kernels' stack (q/k/v or gate/up of different types, kernels/qdecode_layer._stacked) puts
+    each part's product in its columns, bit for bit what that matrix gives alone through the same kernels
+    (with int8 activations also what the model's products of each give), and near the dequantized float64
+    product; parts of
+    any height, tails of fewer than eight rows included, one to sixteen rows of x (the fused calls' limit)."""
+    from kvlab.kernels.qgemv import dot_kernel_args, kernel_args
+
+    rng = np.random.default_rng(seed)
+    cols = 256  # whole K-type super-blocks
+    parts = [QuantizedMatrix.from_blocks(t, blocks(t, h, cols, rng, "normal"), (h, cols))
+             for t, h in zip(types, heights)]
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    args = tuple(dot_kernel_args(p.dot_layout, p.tail) if activations == "q8" else kernel_args(p.tiles, p.tail)
+                 for p in parts)
+    alone = [np.full((rows, p.shape[0]), np.nan, dtype=np.float32) for p in parts]
+    for w, o in zip(args, alone):
+        _stacked_runner()(x, w, o)  # one matrix: the fused kernels' product of it alone
+    out = np.full((rows, sum(p.shape[0] for p in parts)), np.nan, dtype=np.float32)
+    _stacked_runner()(x, args, out)
+    assert np.array_equal(out, np.concatenate(alone, axis=1))
+    if activations == "q8":  # the integer products are the model's q8 products of each matrix, bit for bit
+        assert np.array_equal(out, np.concatenate([p.matmul_t(x, True, "q8") for p in parts], axis=1))
+    if activations == "float32":
+        exact = x.astype(np.float64) @ np.concatenate([p.dequantize(np.float64) for p in parts]).T
+        bound = summation_bound(x, np.concatenate([p.dequantize() for p in parts]))
+        assert np.all(np.abs(out - exact) <= bound)
+
+
 # --- the fused decode layer, through a model ------------------------------------------------------------
 @needs_numba
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1", "Q6_K"])
