@@ -77,9 +77,9 @@ def _own_dtype(model: SizedModel) -> str:
 
 def gguf_weight_bytes(path: str) -> dict[str, int] | None:
     """Resident weight bytes of a GGUF file's tensors, from its directory alone: kept as stored (what
-    `kvlab.load` keeps: block types unpacked as codes + float32 scales/offsets (a K type's factored), F16/BF16
-    half, the rest float32), the same with `activations="q8"` (the integer kernels' layout instead: the file's own bytes
-    for the float16-scale types), dequantized to float32 (`weights_dtype="float32"`), the file's tensor
+    `kvlab.load` keeps: block types unpacked as codes + float32 scales/offsets (a K type's factored),
+    F16/BF16 half, the rest float32), the same with `activations="q8"` (the integer kernels' layout
+    instead: the file's own bytes for the float16-scale types), dequantized to float32 (`weights_dtype="float32"`), the file's tensor
     bytes, and the largest tensor as stored (what a load holds twice for a moment). None for an HF model."""
     from kvlab.gguf.loader import gguf_file
     from kvlab.gguf.reader import read_gguf

@@ -8,7 +8,8 @@ QuantizedOps for up to MAX_KERNEL_ROWS rows; attention in between is attention.p
   * `output_mlp`: the output product and residual, RMSNorm, gate/up, SwiGLU, down and residual.
 
 A matrix is passed as the tuple `kernel_args` makes: (codes, scales, offsets, tail codes, tail scales,
-tail offsets, group, factor), model/qtiles.py's layout. With the codes in the integer dot-product layout (3-D,
+tail offsets, group, factor, base scales, base offsets), model/qtiles.py's layout; q/k/v (gate/up) of
+different types as a tuple of two or three such tuples, each its own product into its columns (`_stacked`). With the codes in the integer dot-product layout (3-D,
 `qtiles.to_dot_codes`) the same two calls round each product's input to int8 and take integer dot
 products (the model's `activations="q8"`, kernels/qdot.py): `_product` picks the kind by the codes' rank
 when numba compiles, one specialisation per layout. Each product is one parallel call, its tiles over the
@@ -65,8 +66,8 @@ def _product_impl(x, w, out):
 def _stacked(x, w, out):
     """out = x @ W.T for W one matrix (a `kernel_args` tuple) or matrices stacked by rows whose types differ
     (a tuple of 2 or 3 of them: a Q4_K_M file's Q4_K q/k beside its Q6_K v), each product into its columns.
-    Each part is its own product, exactly as it would run alone (its own rounding of x to int8), so a row
-    gets the bits the step-by-step path's RowStack gives it."""
+    Each part is its own product, exactly as it would run alone through these kernels (its own rounding of
+    x to int8: with int8 activations a row gets the bits the step-by-step RowStack gives it)."""
 
 
 @njit(cache=True)
@@ -92,8 +93,8 @@ def _stacked_impl(x, w, out):
 
 @njit(fastmath={"reassoc", "contract"}, cache=True)
 def qkv_rope(x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, out, zero):
-    """out [B, (H_q + 2 H_kv) d] = rms_norm(x) @ w_qkv.T + bias (w_qkv one matrix or a stack: `_stacked`), then the per-head q/k norms (q_norm,
-    k_norm [d], empty for none), then RoPE on the first `rotated_heads` heads: cos[b], sin[b] [2, d/2]
+    """out [B, (H_q + 2 H_kv) d] = rms_norm(x) @ w_qkv.T + bias (w_qkv one matrix or a stack: `_stacked`),
+    then the per-head q/k norms (q_norm, k_norm [d], empty for none), then RoPE on the first `rotated_heads` heads: cos[b], sin[b] [2, d/2]
     row b's rotation, sin sign-folded ([-sin, sin]) as the model's `rotate_halves`. An empty `bias`
     means none."""
     xn = np.empty_like(x)

@@ -254,10 +254,11 @@ class QuantizedOps(CompiledOps):
     """Compiled products over quantized weights (GGUF blocks in the kernels' tiled layout, model/quantized.py).
 
     A few rows (decode) take the fused block kernels of kernels/qdecode_layer.py, two calls per layer like
-    CompiledOps, each half where its matrices are quantized (q/k/v: one QuantizedMatrix; o, gate/up,
-    down all quantized and the MLP Llama's); a half that mixes in half-precision matrices (an F16 tensor
-    beside Q8_0 ones) or matrices of different types stacked by rows (RowStack) takes the products one
-    by one (kernels/qgemv.py), with RMSNorm compiled and RoPE, SwiGLU in NumPy between them. More rows
+    CompiledOps, each half where its matrices are quantized (q/k/v: one QuantizedMatrix, or up to three of
+    different types stacked by rows, a RowStack, each its own product inside the call; o, gate/up, down
+    all quantized and the MLP Llama's); a half that mixes in half-precision matrices (an F16 tensor beside
+    Q8_0 ones) takes the products one by one (kernels/qgemv.py), with RMSNorm compiled and RoPE, SwiGLU in
+    NumPy between them. More rows
     (prefill): bands of dequantized rows and BLAS (QuantizedMatrix.matmul_t).
     `activations="q8"`: the same calls over the integer dot-product layout (kernels/qdot.py), and every
     other quantized product's input rounded alike (model/act_quant.py)."""

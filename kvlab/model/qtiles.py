@@ -6,7 +6,8 @@ the lanes of a register (a horizontal sum per group and row), which made the fir
 at 5-10x their roofline. Here rows 8t..8t+7 form tile t, stored group by group with the eight rows' codes
 for one column side by side ([T, G, codes per group, 8], as llama.cpp's repacked "x8" layouts do): per
 column the kernel widens 8 consecutive bytes and multiplies them by one broadcast x[k] (kernels/qsimd.py).
-Scales and offsets go alike, [T, G, 8] float32, so a group ends with one 8-lane multiply-add.
+Scales and offsets go alike, [T, G, 8] float32 (a K type's factored: int8 with a float32 base per
+super-block and row, `factor_scales`), so a group ends with one 8-lane multiply-add.
 
 The N % 8 rows after the last whole tile stay in row order (`tail`), read by a plain per-row kernel; no
 row is padded, so resident bytes are exactly those of the unpacked layout (ggml_quants's table). Tiling
