@@ -106,12 +106,18 @@ def _as_tuple(value: Any, name: str) -> tuple:
     return tuple(value)
 
 
+def log_probs(logits: np.ndarray) -> np.ndarray:
+    """The log-softmax of one row of logits, in float64: what the engine reports as logprobs (and what
+    `kvlab verify` recomputes, so equal logits give equal logprobs)."""
+    row = np.asarray(logits, dtype=np.float64)
+    shifted = row - row.max()
+    return shifted - math.log(np.exp(shifted).sum())
+
+
 def top_logprobs(logits: np.ndarray, token_id: int, k: int) -> dict[int, float]:
     """{token: logprob} of the model's distribution (before sampling filters) for the k most likely
     tokens plus the chosen one, as vLLM's `logprobs=k` returns them."""
-    row = np.asarray(logits, dtype=np.float64)
-    shifted = row - row.max()
-    logp = shifted - math.log(np.exp(shifted).sum())
+    logp = log_probs(logits)
     ids = np.argsort(-logp, kind="stable")[:k] if k else np.array([], dtype=np.int64)
     return {int(i): float(logp[i]) for i in (*ids.tolist(), int(token_id))}
 

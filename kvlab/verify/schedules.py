@@ -23,7 +23,7 @@ from kvlab.cache.paged import BlockPool, slot_mapping
 from kvlab.engine.draft import DraftProposer
 from kvlab.engine.engine import Engine
 from kvlab.model.batch import BatchInput
-from kvlab.sampling.sampler import SamplingParams
+from kvlab.sampling.sampler import SamplingParams, log_probs
 from kvlab.model.llama import LlamaModel
 
 
@@ -59,11 +59,6 @@ def paged_logits(model: LlamaModel, prompts: Sequence[Sequence[int]], chunks: Se
             logits[s][done[s] - n:done[s]] = out[row:row + n]
             row += n
     return logits
-
-
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits - logits.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
 def engine_schedules(model: LlamaModel, rng: np.random.Generator,
@@ -119,10 +114,13 @@ def engine_schedules(model: LlamaModel, rng: np.random.Generator,
         error = scale = 0.0
         for prompt, out in zip(prompts, eng.generate(prompts, params)):
             sample = out.outputs[0]
-            full = _log_softmax(model.forward(np.array([prompt + sample.token_ids[:-1]])).logits[0])
+            # the recompute's log-softmax as the engine's sampler computes it (sampler.log_probs): equal logits
+            # give equal logprobs, so a batch-invariant model checks to 0 here as in the logits schedules
+            logits = model.forward(np.array([prompt + sample.token_ids[:-1]])).logits[0]
+            full = np.stack([log_probs(row) for row in logits[len(prompt) - 1:]])
             scale = max(scale, float(np.abs(full).max()))
             for i, (token, logprobs) in enumerate(zip(sample.token_ids, sample.logprobs)):
-                row = full[len(prompt) - 1 + i]
+                row = full[i]
                 if token != int(np.argmax(row)):
                     error = float("inf")
                 error = max(error, abs(logprobs[token] - float(row[token])))

