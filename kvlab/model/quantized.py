@@ -299,8 +299,8 @@ class QuantizedMatrix:
             whole = dot_scales.shape[0] * LANES
             inside, tail_rows = index < whole, index[index >= whole] - whole
             # the tiles the rows sit in, widened to float32 (factored scales need their bases)
-            needed, local = np.unique(index[inside] // LANES, return_inverse=True)
-            local = local.reshape(-1) * LANES + index[inside] % LANES
+            needed, moved = _holding_tiles(index, dot_scales.shape[0])
+            local = moved[inside]
             tiled = gather_rows(Unpacked(None, self._widen(dot_scales[needed], base_scales[needed] if base_scales.size
                                                            else base_scales),
                                          self._widen(dot_offsets[needed], base_offsets[needed] if base_offsets.size
@@ -326,13 +326,9 @@ class QuantizedMatrix:
         the rows sit in, their scales and offsets widened to float32 (base * int, exact), `index` moved to
         them (an embedding lookup must not widen the whole table)."""
         t = self._tiles
-        whole = t.scales.shape[0] * LANES
-        inside = index < whole
-        needed, local = np.unique(index[inside] // LANES, return_inverse=True)
-        moved = index - whole + needed.shape[0] * LANES
-        moved[inside] = local.reshape(-1) * LANES + index[inside] % LANES
-        offsets = None if t.offsets is None else expand_scales(t.offsets[needed], t.base_offsets[needed])
-        return (Unpacked(t.codes[needed] if codes else None, expand_scales(t.scales[needed], t.base_scales[needed]),
+        needed, moved = _holding_tiles(index, t.scales.shape[0])
+        offsets = None if t.offsets is None else self._widen(t.offsets[needed], t.base_offsets[needed])
+        return (Unpacked(t.codes[needed] if codes else None, self._widen(t.scales[needed], t.base_scales[needed]),
                          offsets, t.group), self.tail, moved)
 
     def row_view(self, start: int, stop: int) -> "QuantizedMatrix":
@@ -531,6 +527,18 @@ class RowStack:
 
 
 QuantizedLinear = (QuantizedMatrix, RowStack)
+
+
+def _holding_tiles(index: np.ndarray, tiles: int) -> tuple[np.ndarray, np.ndarray]:
+    """(needed, moved): the tiles (of `tiles` whole ones) that rows `index` sit in, sorted and once each, and
+    `index` moved onto them (tail rows moved to follow them), so that a lookup widens only the tiles it
+    reads, not a whole table's scales."""
+    whole = tiles * LANES
+    inside = index < whole
+    needed, local = np.unique(index[inside] // LANES, return_inverse=True)
+    moved = index - whole + needed.shape[0] * LANES
+    moved[inside] = local.reshape(-1) * LANES + index[inside] % LANES
+    return needed, moved
 
 
 def factored_tiles(type_name: str, tiles: Unpacked) -> Unpacked:
