@@ -331,3 +331,69 @@ def test_freeing_a_block_in_use_is_refused_and_says_so() -> None:
         pool.free_evicted(block)
     assert str(caught.value) == f"block {block} is in use: only unreferenced blocks can be freed"
     assert pool.ref_counts[block] == 1 and pool.num_free_blocks == pool.num_blocks - 1
+
+
+# --- cached tails: what cache_tail refuses, what match_tail finds ------------------------------------------
+# The unit cases behind token-granular reuse (tests/test_token_prefix_reuse.py runs it in the engine): each of
+# cache_tail's refusals leaves nothing findable, and match_tail answers None for a block that shares no row.
+
+def test_cache_tail_keeps_a_partial_block_and_refuses_each_block_it_must_not_keep() -> None:
+    """cache_tail keeps 1..block_size-1 rows of a block only its releasing sequence holds; it refuses (False,
+    nothing findable, the block freed on release) caching off, no rows, a full block's worth, a block another
+    table holds, a registered full block, and rows cached already under the same parent."""
+    pool, cache = make_cache()  # blocks of 4
+    [kept] = pool.allocate(1)
+    assert cache.cache_tail(kept, ROOT, [5, 6, 7])
+    pool.release([kept])
+    assert cache.match_tail([5, 6, 7, 1], ROOT, 0) == (kept, 3) and cache.cached_rows(kept) == 3
+    assert pool.num_evictable_blocks == 1
+
+    off_pool = BlockPool(1, 1, 2, np.float64, 4, 8)
+    off = PrefixCache(off_pool, enabled=False)
+    [block] = off_pool.allocate(1)
+    assert off.cache_tail(block, ROOT, [5, 6, 7]) is False
+    assert off.match_tail([5, 6, 7], ROOT, 0) is None and off.cached_rows(block) == 4
+
+    for rows in ([], [1, 2, 3, 4]):  # no row; a whole block (full blocks are registered by key, not as tails)
+        [block] = pool.allocate(1)
+        assert cache.cache_tail(block, ROOT, rows) is False
+        assert cache.cached_rows(block) == 4 and cache.match_tail([1, 2, 3, 4], ROOT, 0) is None
+        pool.release([block])
+        assert pool.num_evictable_blocks == 1  # freed, not kept
+
+    [shared] = pool.allocate(1)
+    pool.acquire([shared])  # a fork still reads it
+    assert cache.cache_tail(shared, ROOT, [8, 9]) is False
+    assert cache.match_tail([8, 9], ROOT, 0) is None and cache.cached_rows(shared) == 4
+    pool.release([shared, shared])
+
+    [full] = pool.allocate(1)
+    assert cache.register(full, block_key(ROOT, [1, 2, 3, 4]), ROOT, [1, 2, 3, 4])
+    assert cache.cache_tail(full, ROOT, [1, 2]) is False
+    assert cache.cached_rows(full) == 4  # still the whole registered block, not a 2-row tail
+    pool.release([full])
+
+    [again] = pool.allocate(1)
+    assert cache.cache_tail(again, ROOT, [5, 6, 7]) is False  # `kept` holds these rows already
+    assert cache.match_tail([5, 6, 7], ROOT, 0) == (kept, 3) and cache.cached_rows(again) == 4
+    pool.release([again])
+    assert pool.num_evictable_blocks == 2  # `kept` and `full`
+    pool.check_invariants()
+
+
+def test_match_tail_needs_a_shared_first_row_and_breaks_ties_for_the_tail_cached_first() -> None:
+    """No candidate sharing the first token after `start`: None, never a hit of 0 rows. Of equally long
+    matches, the tail cached first is the one found."""
+    pool, cache = make_cache()
+    first, second = pool.allocate(2)
+    assert cache.cache_tail(first, ROOT, [5, 6]) and cache.cache_tail(second, ROOT, [5, 7, 9])
+    table, _ = compute(pool, cache, [1, 2, 3, 4])
+    pool.release([first, second] + table)
+    assert cache.match_tail([6, 5, 6], ROOT, 0) is None
+    assert cache.match_tail([1, 2, 3, 4, 6, 5], ROOT, 4) is None  # start past the whole block: no shared row
+    assert cache.match_tail([2, 3], ROOT, 0) is None  # the full block [1, 2, 3, 4] shares no first row either
+    assert cache.match_tail([1, 2, 9], ROOT, 0) == (table[0], 2)  # a full block that parts inside it
+    assert cache.match_tail([5, 7, 1], ROOT, 0) == (second, 2)
+    assert cache.match_tail([5, 8], ROOT, 0) == (first, 1)  # a tie of one row: the earlier tail
+    assert cache.match_tail([0, 5, 8], ROOT, 1) == (first, 1)
+    pool.check_invariants()

@@ -129,7 +129,8 @@ class PrefixCache:
     def match_tail(self, token_ids: Sequence[int], parent: bytes, start: int) -> tuple[int, int] | None:
         """(block, rows) of the cached block under `parent` — a tail, or a full block that parts from
         `token_ids` inside it — sharing the most leading tokens with `token_ids[start:]` (the rows of a
-        block depend only on the tokens up to them), or None."""
+        block depend only on the tokens up to them; of equally long ones, the tail cached first, tails before
+        full blocks), or None when none shares the first."""
         with self._lock:
             best: tuple[int, int] | None = None
             candidates = [(tokens, block) for tokens, block in self._tails.get(parent, {}).items()]
