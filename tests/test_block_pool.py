@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from kvlab.cache.paged import BlockPool
+from kvlab.cache.dtypes import resolve_kv_dtype
+from kvlab.cache.paged import BlockPool, gather_blocks, slot_mapping, write_slots
 from kvlab.errors import InputError
 from kvlab.prefix.block_hash import block_key, root_key
 from kvlab.prefix.prefix_cache import PrefixCache
@@ -54,6 +55,70 @@ def test_copy_block_copies_rows_of_every_layer():
     for arrays in (pool.key_cache, pool.value_cache):
         for layer in arrays:
             np.testing.assert_array_equal(layer[dst, :, :3], layer[src, :, :3])
+
+
+def filled_pool(dtype="float64", num_blocks=4, block_size=4) -> BlockPool:
+    """A pool whose every row of every block and layer holds its own random K/V (a row copied over another
+    is seen)."""
+    fmt = resolve_kv_dtype(dtype, np.float64)
+    pool = BlockPool(2, 2, 4, fmt, block_size, num_blocks, compute_dtype=np.float64)
+    rng = np.random.default_rng(3)
+    slots = np.arange(num_blocks * block_size)
+    for keys, values in zip(pool.key_cache, pool.value_cache):
+        write_slots(keys, values, slots, *(rng.standard_normal((slots.size, 2, 4)) for _ in range(2)))
+    return pool
+
+
+def rows_of(pool: BlockPool, block: int) -> list[np.ndarray]:
+    """Every layer's keys and values of `block`, all its rows, as the pool reads them: [H_kv, block_size, d]."""
+    table = np.array([[block]])
+    return [gather_blocks(layer, table, pool.block_size)[0] for layer in pool.key_cache + pool.value_cache]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "int8"])
+def test_copy_block_copies_the_first_rows_and_leaves_the_rest(dtype):
+    """copy_block(src, dst, n) copies rows [0, n) of every layer, float or quantized (codes with their scales),
+    and leaves dst's rows from n on as they were: copy-on-write copies only the rows written so far."""
+    pool = filled_pool(dtype)
+    src, dst = pool.allocate(2)
+    before_src, before_dst = rows_of(pool, src), rows_of(pool, dst)
+    pool.copy_block(src, dst, 3)
+    for got, was_src, was_dst in zip(rows_of(pool, dst), before_src, before_dst):
+        np.testing.assert_array_equal(got[:, :3], was_src[:, :3])
+        np.testing.assert_array_equal(got[:, 3:], was_dst[:, 3:])
+        assert not np.array_equal(was_src[:, 3:], was_dst[:, 3:])  # a copied row 3 would show
+    for got, was in zip(rows_of(pool, src), before_src):
+        np.testing.assert_array_equal(got, was)
+
+
+def test_make_private_gives_a_shared_block_a_copy_of_its_written_rows():
+    """make_private(table, i, n): a block another table shares is swapped for a fresh one holding its first n
+    rows (the rest left as the fresh block had them), the shared block keeping one reference less."""
+    pool = filled_pool()
+    table = pool.allocate(2)
+    pool.acquire(table[1:])  # a fork shares the partial last block
+    shared = table[1]
+    before_shared = rows_of(pool, shared)
+    fresh = 2  # the free list's next block
+    before_fresh = rows_of(pool, fresh)
+    pool.make_private(table, 1, 2)
+    assert table[1] == fresh and pool.ref_counts[shared] == 1 and pool.ref_counts[fresh] == 1
+    for got, was_shared, was_fresh in zip(rows_of(pool, fresh), before_shared, before_fresh):
+        np.testing.assert_array_equal(got[:, :2], was_shared[:, :2])
+        np.testing.assert_array_equal(got[:, 2:], was_fresh[:, 2:])
+    for got, was in zip(rows_of(pool, shared), before_shared):
+        np.testing.assert_array_equal(got, was)
+    pool.check_invariants()
+
+
+def test_slot_mapping_gives_int64_slots_whatever_the_tables_type():
+    """Slots are block * block_size + offset in int64: for an empty table (np.asarray alone makes it float64,
+    which indexes nothing) and for a narrow NumPy table whose slots pass its type's range."""
+    empty = slot_mapping([], 0, 0, 4)
+    assert empty.dtype == np.int64 and empty.shape == (0,)
+    slots = slot_mapping(np.array([300, 2], dtype=np.int16), 126, 3, 128)
+    assert slots.dtype == np.int64 and slots.tolist() == [300 * 128 + 126, 300 * 128 + 127, 2 * 128]
+    assert slot_mapping([7, 3], 1, 3, 2).tolist() == [7 * 2 + 1, 3 * 2, 3 * 2 + 1]  # positions 1, 2, 3
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True, "4"])
