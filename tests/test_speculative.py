@@ -187,6 +187,25 @@ def test_an_abort_mid_speculation_leaves_the_pool_balanced():
     assert engine.block_pool.num_used_blocks == 0
 
 
+def test_guesses_never_outgrow_the_pool_which_ends_the_text_as_plain_decoding_does():
+    """A sequence that outgrows a small pool ends with "length" where plain decoding ends it: guesses that
+    would need more blocks than the whole pool holds are not made (they made a lone sequence raise the
+    scheduler's liveness error)."""
+    prompt = [7, 19, 33, 41, 58] * 2
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    guessed = 0
+    for num_blocks in range(3, 9):
+        plain = Engine(MODEL, block_size=4, num_blocks=num_blocks).generate([prompt], params)[0].outputs[0]
+        assert plain.finish_reason == "length" and len(prompt) + len(plain.token_ids) == num_blocks * 4 + 1
+        spec = Engine(MODEL, block_size=4, num_blocks=num_blocks, speculative_config=NGRAM)
+        got = spec.generate([prompt], params)[0].outputs[0]
+        assert (got.token_ids, got.finish_reason) == (plain.token_ids, plain.finish_reason), num_blocks
+        guessed += spec.stats()["spec_decode_num_draft_tokens"]
+        spec.block_pool.check_invariants()
+        assert spec.block_pool.num_used_blocks == 0
+    assert guessed > 0
+
+
 def test_a_stop_token_inside_the_accepted_guesses_ends_the_text_there():
     prompt = repetitive(4, 30)
     plain = Engine(MODEL).generate([prompt], SamplingParams(max_tokens=30, ignore_eos=True))[0].outputs[0]

@@ -182,9 +182,10 @@ class Speculator:
 
     def propose(self, seq: Any) -> None:
         """Set `seq.draft` for this step: [] unless it is decoding and a guess fits (its token limit, the
-        context, a cache policy's budget without eviction). A grammar needs nothing here: each kept token is
-        drawn through the sequence's sampler, which masks the row with the matcher's state after the tokens
-        before it (the accepted guesses) and advances it, so a rejected guess never reaches the matcher."""
+        context, a cache policy's budget without eviction, the whole pool). A grammar needs nothing here: each
+        kept token is drawn through the sequence's sampler, which masks the row with the matcher's state after
+        the tokens before it (the accepted guesses) and advances it, so a rejected guess never reaches the
+        matcher."""
         seq.draft = []
         if seq.num_tokens - seq.num_computed_tokens != 1:
             return
@@ -197,6 +198,8 @@ class Speculator:
         rows = self.bounds.rows_before_eviction(seq)
         if rows is not None:  # guesses must not make a policy evict what plain decoding would keep
             room = min(room, rows - 1)
+        while room > 0 and self.bounds.max_blocks(seq.num_tokens + room) > self.bounds.pool.num_blocks:
+            room -= 1  # nor outgrow the whole pool, which plain decoding ends ("length") without a liveness error
         if room < 1:
             return
         if self.draft is not None:
