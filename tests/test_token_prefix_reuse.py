@@ -308,3 +308,92 @@ def test_loading_keeps_the_rows_the_cache_already_holds(tmp_path) -> None:
     assert load_session(eng, tmp_path / "other.kvc")[1] == len(rows)
     for block, before in zip(hits, held):
         np.testing.assert_array_equal(eng.block_pool.key_cache[0][block], before)
+
+
+# --- the scheduler's side of tails: fit, LRU, which engines keep them -----------------------------------------
+# Boundary cases of kvlab/engine/scheduler.py's token-granular reuse: a pool with exactly the blocks a tail's
+# copy takes, a prompt ending one token past its whole-block hit (no tail row can be copied: the last token is
+# always computed), engines that keep no tails (a window, a policy, KV-cache groups), blocks of one token.
+
+def test_a_tail_copy_needs_one_free_block_for_the_held_tail_and_no_more() -> None:
+    """A cached tail is held (out of the LRU) while it is copied: with 3 blocks the request copies its 2 rows
+    (the whole block and the tail revived, one new block), with 2 it recomputes them; tokens are exact."""
+    first, second = [11, 12, 13, 14, 15, 16], [11, 12, 13, 14, 15, 16, 17]
+    for num_blocks, cached in ((3, 6), (2, 4)):
+        engine = new_engine(num_blocks=num_blocks)
+        assert engine.generate([first], SamplingParams(max_tokens=1, **GREEDY))[0].num_cached_tokens == 0
+        assert engine.block_pool.num_evictable_blocks == 2  # the whole block and the 2-row tail
+        out = engine.generate([second], SamplingParams(max_tokens=2, **GREEDY))[0]
+        assert out.num_cached_tokens == cached, num_blocks
+        assert out.outputs[0].token_ids == cold(second, 2)
+        assert engine.scheduler.num_preemptions == 0
+        engine.block_pool.check_invariants()
+
+
+def test_a_tail_no_row_of_which_is_copied_stays_least_recently_used() -> None:
+    """A prompt one token past its whole-block hit takes no row of the tail that continues it (its last token
+    is always computed), so that tail is not touched: it stays first in the LRU and is the block evicted
+    next, while a tail cached after it stays findable."""
+    engine = new_engine(num_blocks=5)
+    whole = [11, 12, 13, 14]
+    rows = computed_rows(engine, whole + [21, 22], 1)  # the whole block, then the tail [21, 22]
+    assert rows == whole + [21, 22]
+    computed_rows(engine, [31, 32], 1)  # a tail under the root, cached after [21, 22]
+    out = engine.generate([whole + [21]], SamplingParams(max_tokens=1, **GREEDY))[0]
+    assert out.num_cached_tokens == 4 and out.outputs[0].token_ids == cold(whole + [21], 1)
+    assert engine.block_pool.num_free_blocks - engine.block_pool.num_evictable_blocks == 1  # one never used
+    computed_rows(engine, [41 + i for i in range(8)], 1)  # 2 new blocks: the free one and one evicted
+    root = _root_of(engine)
+    key = engine.prefix_cache.match(whole, root)[1][0]
+    found = engine.prefix_cache.match_tail(whole + [21, 22], key, 4)
+    assert found is not None and found[1] == 1  # only the last request's own tail [21] is left under the block
+    assert engine.prefix_cache.match_tail([31, 32], root, 0)[1] == 2  # the later tail was not evicted
+    engine.block_pool.check_invariants()
+
+
+@pytest.mark.parametrize("kind", ["sliding window", "policy", "kv groups"])
+def test_only_a_plain_engine_keeps_tails(kind) -> None:
+    """A sliding-window model, a cache policy and a hybrid model's groups keep no tail (their blocks leave the
+    table): a finished request leaves its whole blocks cached and frees its partial last block."""
+    if kind == "sliding window":
+        engine = new_engine(TinyLlama(seed=2, sliding_window=3))
+    elif kind == "policy":
+        engine = new_engine(kv_policy="window:16")
+    else:
+        engine = new_engine(TinyLlama(seed=4, num_hidden_layers=2, interleaved_sliding_window=3,
+                                      layer_types=("sliding_attention", "full_attention")))
+    prompt = [11, 12, 13, 14, 15, 16]  # a whole block of 4 and 2 rows
+    assert computed_rows(engine, prompt, 1) == prompt
+    root = _root_of(engine)
+    hits, keys = engine.prefix_cache.match(prompt, root)
+    assert len(hits) == 1 and engine.block_pool.num_evictable_blocks == 1
+    assert engine.prefix_cache.match_tail(prompt, keys[0], 4) is None
+    engine.block_pool.check_invariants()
+
+
+def test_blocks_of_one_token_reuse_a_prefix_held_past_the_pools_first_blocks() -> None:
+    """With block_size 1 a hit's first block is visible too: a request served from blocks that are not the
+    pool's first ones gets full recompute's tokens (a table reading block 0 there would not)."""
+    engine = new_engine(block_size=1, num_blocks=64)
+    computed_rows(engine, [200, 201, 202], 1)  # takes blocks 0-2, which stay cached
+    prompt = [5, 6, 7, 8, 9]
+    computed_rows(engine, prompt, 1)
+    out = engine.generate([prompt + [10, 11]], SamplingParams(max_tokens=3, **GREEDY))[0]
+    assert out.num_cached_tokens == 5
+    assert out.outputs[0].token_ids == cold(prompt + [10, 11], 3)
+    engine.block_pool.check_invariants()
+
+
+@pytest.mark.parametrize("length", [5, 14])
+def test_reloading_rows_all_cached_finds_the_tail_under_the_last_whole_block(tmp_path, length) -> None:
+    """One whole block and a tail, or three and a tail, all cached already: the reload looks for the tail
+    under the last whole block's key, reports every row and allocates nothing."""
+    eng = new_engine()
+    rows = computed_rows(eng, list(range(60, 60 + length)), 1)
+    assert save_session(eng, tmp_path / "s.kvc", rows, {}) == length
+    free, cached_blocks = eng.block_pool.num_free_blocks, eng.prefix_cache.num_cached_blocks
+    assert load_session(eng, tmp_path / "s.kvc")[1] == length
+    assert eng.block_pool.num_free_blocks == free and eng.prefix_cache.num_cached_blocks == cached_blocks
+    again = eng.generate([rows + [7]], SamplingParams(max_tokens=1, **GREEDY))[0]
+    assert again.num_cached_tokens == length and again.outputs[0].token_ids == cold(rows + [7], 1)
+    eng.block_pool.check_invariants()
