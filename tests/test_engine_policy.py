@@ -132,6 +132,27 @@ def test_forks_share_a_policy_prefix_and_get_their_own_sink_blocks():
     assert engine.block_pool.num_used_blocks == 0
 
 
+def test_forked_samples_one_block_short_wait_for_their_copies():
+    """Two samples fork after a sinks eviction, sharing the blocks under the sink rows and the partial last
+    block: the first write needs a private copy of both, so with one block to spare the newer sample is
+    preempted (and recomputed), never written past the pool; both get the contiguous policy's logits."""
+    policy = AttentionSinks(2, 10)
+    engine = Engine(MODEL, block_size=4, num_blocks=6, max_num_seqs=2, kv_policy=policy)
+    recorder = Recorder(engine)
+    prompt = [(7 * t + 3) % 250 for t in range(13)]
+    [out] = engine.generate([prompt], SamplingParams(n=2, max_tokens=6, temperature=0.8, seed=3))
+    assert engine.scheduler.num_preemptions > 0
+    for index, sample in enumerate(out.outputs):
+        assert len(sample.token_ids) == 6
+        chunks = recorder.chunks[(out.request_id, index)]
+        if index:
+            chunks = recorder.chunks[(out.request_id, 0)][:_prompt_chunks(recorder, out)] + chunks
+        for paged, contiguous in replay(MODEL, policy, chunks, out.prompt_token_ids + sample.token_ids):
+            assert np.abs(paged - contiguous).max() < 1e-9
+    engine.block_pool.check_invariants()
+    assert engine.block_pool.num_used_blocks == 0
+
+
 def _prompt_chunks(recorder, out) -> int:
     chunks = recorder.chunks[(out.request_id, 0)]
     return next(i for i, (start, ids, _) in enumerate(chunks) if start + len(ids) == len(out.prompt_token_ids)) + 1
@@ -209,6 +230,49 @@ def test_blocks_after_an_eviction_are_never_a_full_attention_hit(tmp_path):
             reference = MODEL.forward(np.asarray([tokens[:start + len(ids)]])).logits[0, -1]
             assert np.abs(logits - reference).max() < 1e-9
     full.close(30)
+
+
+def test_a_policy_hit_takes_every_whole_block_below_its_budget():
+    """window:9 on blocks of 4: a hit may take 8 rows (budget - 1 = 8 is two whole blocks), so the first chunk
+    still evicts nothing; the logits are the contiguous policy's for the same chunks."""
+    policy = SlidingWindow(9)
+    engine = Engine(MODEL, block_size=4, num_blocks=12, kv_policy=policy)
+    prompt = list(range(40, 54))
+    assert engine.generate([prompt], SamplingParams(max_tokens=3, **GREEDY))[0].num_cached_tokens == 0
+    assert engine.prefix_cache.num_cached_blocks == 2  # blocks 0-1, computed before the first eviction
+    recorder = Recorder(engine)
+    [again] = engine.generate([prompt], SamplingParams(max_tokens=3, **GREEDY))
+    assert again.num_cached_tokens == 8
+    chunks = recorder.chunks[(again.request_id, 0)]
+    assert chunks[0][0] == 8
+    for paged, contiguous in replay(MODEL, policy, chunks, prompt + again.outputs[0].token_ids):
+        assert np.abs(paged - contiguous).max() < 1e-9
+
+
+def test_speculation_keeps_guessing_after_a_context_shift():
+    """Once a shift has dropped rows, the rows a sequence may still write before the next eviction count from
+    its view (budget - kept rows), not from its whole length: guesses go on, and the tokens stay plain
+    decoding's under the same policy."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    prompt = [7, 19, 33, 41, 58] * 2
+    params = SamplingParams(max_tokens=30, **GREEDY)
+    spec = Engine(MODEL, block_size=4, kv_policy="shift:2:14", max_num_batched_tokens=8, speculative_config=ngram)
+    spec.add_request("r", prompt, params)
+    guessed_after_eviction, tokens = 0, None
+    while spec.has_unfinished_requests():
+        running = spec.scheduler.running
+        evicted = bool(running) and running[0].kv_view is not None and running[0].kv_view.evicted
+        before = spec.counters.spec_decode_num_draft_tokens
+        for out in spec.step():
+            if out.finished:
+                tokens = out.outputs[0].token_ids
+        if evicted:
+            guessed_after_eviction += spec.counters.spec_decode_num_draft_tokens - before
+    assert guessed_after_eviction > 0
+    plain = Engine(MODEL, block_size=4, kv_policy="shift:2:14", max_num_batched_tokens=8)
+    assert tokens == plain.generate([prompt], params)[0].outputs[0].token_ids
+    spec.block_pool.check_invariants()
+    assert spec.block_pool.num_used_blocks == 0
 
 
 def test_sink_rows_are_written_only_into_private_blocks():
