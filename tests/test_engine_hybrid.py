@@ -72,6 +72,36 @@ def run(engine: Engine, max_steps: int) -> dict[str, list[list[int]]]:
     return done
 
 
+def most_blocks_touched(num_tokens: int, block_size: int, window: int | None, max_num_batched_tokens: int) -> int:
+    """Brute force: the most blocks a sequence holds in one step, over every step (c rows computed, a chunk of
+    n <= max_num_batched_tokens more): from the block of key c - window + 1 (the first its first query sees;
+    0 without a window) to the block of row c + n - 1."""
+    most = 0
+    for computed in range(num_tokens):
+        first = max(computed - window + 1, 0) // block_size if window else 0
+        for new in range(1, min(max_num_batched_tokens, num_tokens - computed) + 1):
+            most = max(most, -(-(computed + new) // block_size) - first)
+    return most
+
+
+def test_window_max_blocks_is_vllms_bound_over_the_blocks_a_window_touches():
+    """Against the brute force, on a grid of lengths, block sizes, windows and chunks: every block without a
+    window; with one never fewer than a step holds, and one more only where vLLM's cdiv(W - 1 + chunk) + 1
+    rounds past it (W - 2 + chunk a multiple of block_size) — exactly there once the sequence is long enough
+    for the window to sit at every offset in its blocks."""
+    for size in (1, 2, 3, 4):
+        for chunk in (1, 2, 3, 5, 8):
+            for num_tokens in range(1, 36):
+                assert window_max_blocks(num_tokens, size, None, chunk) == -(-num_tokens // size)
+                for window in (1, 2, 3, 5, 8):
+                    bound = window_max_blocks(num_tokens, size, window, chunk)
+                    most = most_blocks_touched(num_tokens, size, window, chunk)
+                    rounded_past = (window - 2 + chunk) % size == 0
+                    assert most <= bound <= most + rounded_past, (num_tokens, size, window, chunk)
+                    if num_tokens >= window + chunk + 2 * size:
+                        assert bound == most + rounded_past, (num_tokens, size, window, chunk)
+
+
 @st.composite
 def workloads(draw):
     window = draw(st.sampled_from([1, 2, 3, 5, 8]))
