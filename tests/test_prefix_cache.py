@@ -183,6 +183,21 @@ def test_listener_hooks_see_stores_evictions_and_fill_a_local_miss():
     pool.check_invariants()
 
 
+def test_blocks_a_listener_fills_in_trace_to_the_root_of_the_match() -> None:
+    """Blocks a tier registers during a match, in a cache that never inserted under that root, start a chain
+    of that root: chain_parent None for the first, chain_root the root for both."""
+    pool, cache = make_cache(num_blocks=4)
+    tokens = list(range(8))
+    cache.listeners.append(Recorder(pool, tokens))  # it supplies one block per miss
+    assert len(cache.match(tokens, ROOT)[0]) == 1
+    blocks, keys = cache.match(tokens, ROOT)
+    assert len(blocks) == 2 and keys == [block_key(ROOT, tokens[:4]), block_key(keys[0], tokens[4:])]
+    first, second = (cache.cached_info(b) for b in blocks)
+    assert cache.chain_parent(first) is None and cache.chain_parent(second) == keys[0]
+    assert cache.chain_root(first) == ROOT and cache.chain_root(second) == ROOT
+    pool.check_invariants()
+
+
 def test_a_disabled_cache_leaves_the_pool_without_an_evictor():
     pool = BlockPool(1, 1, 2, np.float64, 4, 8)
     PrefixCache(pool, enabled=False)

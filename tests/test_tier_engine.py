@@ -58,6 +58,25 @@ def test_a_restarted_engine_starts_warm_from_the_disk_tier(tmp_path):
     second.close(30)
 
 
+def test_blocks_loaded_from_the_tier_show_their_chain_in_the_cache_state(tmp_path):
+    """A restarted engine whose request computes no whole block past its tier hits (so nothing is inserted
+    locally under the root) still traces the loaded blocks to the unsalted root: the first starts the chain
+    (no parent), so the server shows their text to unsalted callers."""
+    url = f"file://{tmp_path}/tier"
+    first = Engine(MODEL, kv_tiers=[url])
+    run(first, PROMPT[:40], SamplingParams(temperature=0, max_tokens=1))
+    first.close(30)
+    second = Engine(MODEL, kv_tiers=[url])
+    out = run(second, PROMPT[:34], SamplingParams(temperature=0, max_tokens=1))
+    assert out.num_cached_tokens == 32 and second.stats()["kv_tier_hit_blocks"] == 2
+    unsalted = root_key(MODEL.fingerprint, MODEL.dtype, second.kv_cache_dtype).hex()
+    blocks = second.cache_state()["blocks"]
+    assert [b["num_tokens"] for b in blocks] == [16, 16]
+    assert [b["root_key"] for b in blocks] == [unsalted, unsalted]
+    assert blocks[0]["parent"] is None and blocks[1]["parent"] == blocks[0]["hash"]
+    second.close(30)
+
+
 def test_salted_blocks_are_reachable_only_with_their_salt(tmp_path):
     url = f"file://{tmp_path}/tier"
     writer = Engine(MODEL, kv_tiers=[url])

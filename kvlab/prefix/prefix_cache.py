@@ -103,6 +103,7 @@ class PrefixCache:
             keys: list[bytes] = []
             self._walk(token_ids, root, blocks, keys)
             if self.listeners and (len(blocks) + 1) * self.pool.block_size <= len(token_ids):
+                self._roots.add(root)  # what a listener registers here hangs from it (chain_root traces it)
                 for listener in self.listeners:
                     listener.prefix_miss(self, token_ids, keys[-1] if keys else root,
                                          len(blocks) * self.pool.block_size, blocks)
