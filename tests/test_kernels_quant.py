@@ -5,7 +5,7 @@ NumPy codec bit for bit; then the model and the engine with quantized caches on 
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvlab import Engine, LlamaModel, SamplingParams
@@ -123,6 +123,8 @@ def test_fp8_codes_widen_exactly(name):
 
 # --- the compiled writer is the codec ----------------------------------------------------------------
 @settings(max_examples=60)
+# found by a random draw: a group whose least values are 0.0 and -0.0 (NumPy's min gave -0.0, the writer 0.0)
+@example(name="int8", compute="float16", head_dim=8, magnitude=1e-7, zeros=False, seed=4)
 @given(name=st.sampled_from(CODES), compute=st.sampled_from(["float32", "float64", "float16"]),
        head_dim=st.sampled_from([8, 32, 64, 96]), magnitude=st.sampled_from([1e-7, 1e-3, 1.0, 300.0, 5e3]),
        zeros=st.booleans(), seed=st.integers(0, 2**16))

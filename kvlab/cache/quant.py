@@ -69,7 +69,9 @@ def quantize_int(x: np.ndarray, bits: int, axis: int = -1) -> tuple[np.ndarray, 
     """
     levels = (1 << bits) - 1
     x64 = x.astype(np.float64)
-    lo, hi = x64.min(axis=axis, keepdims=True), x64.max(axis=axis, keepdims=True)
+    # + 0.0: a group whose least value is a zero of either sign gets the zero point +0 (NumPy's vectorised
+    # min returns -0.0 or 0.0 by lane order; the compiled writer, attention_encode, does the same sum)
+    lo, hi = x64.min(axis=axis, keepdims=True) + 0.0, x64.max(axis=axis, keepdims=True)
     zero = _round_f16(lo, -np.inf)
     scale = _round_f16((hi - zero.astype(np.float64)) / levels, np.inf)
     safe = np.where(scale > 0, scale, SCALE_DTYPE.type(1)).astype(np.float64)

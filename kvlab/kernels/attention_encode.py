@@ -101,7 +101,7 @@ def encode_into(x, codes, scale, zero, blocks, rows, kind, group):
                 lo = hi = float(src[base])
                 for i in range(base, base + group):
                     lo, hi = min(lo, float(src[i])), max(hi, float(src[i]))
-                z = f16_round(lo, False)
+                z = f16_round(lo + 0.0, False)  # a least value of -0.0 gives the zero point +0, as quant.py
                 s = f16_round((hi - z) / levels, True)
                 scale[b, h, r, j], zero[b, h, r, j] = f16_bits(s), f16_bits(z)
                 safe = s if s > 0 else 1.0
