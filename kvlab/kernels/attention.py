@@ -242,38 +242,36 @@ def _decode_py(q, kc, ks, kz, vc, vs, vz, kind, group, block_tables, starts, end
         spans = max(spans, (ends[s] - starts[s] + span - 1) // span)
     scores = np.empty((threads, heads, span + 8), dtype=q.dtype)
     tiles = np.empty((threads, 2, 1, 1, TILE, d), dtype=q.dtype)
-    if spans == 1 or seqs * kv_heads >= SPLIT_ITEMS:
-        row_max = np.empty((threads, spans, heads), dtype=q.dtype)
-        row_sum = np.empty_like(row_max)
-        acc = np.empty((threads, spans, heads, d), dtype=q.dtype)
-        for item in prange(seqs * kv_heads):
-            s, h = divmod(np.int64(item), kv_heads)  # prange indices are unsigned: keep ints signed
-            me = numba.get_thread_id()
-            count = (ends[s] - starts[s] + span - 1) // span
-            for c in range(count):
-                lo = starts[s] + c * span
-                _span(q[s], h, kc, ks, kz, vc, vs, vz, kind, group, block_tables[s], lo, min(lo + span, ends[s]),
-                      zero, row_max[me, c], row_sum[me, c], acc[me, c], scores[me], tiles[me, 0], tiles[me, 1])
+    split = spans > 1 and seqs * kv_heads < SPLIT_ITEMS
+    # split: a span's partials stay until every span is done (one slot per (row, KV head)); else each item
+    # combines its own spans at once (one slot per thread)
+    per_item, slots = (spans, seqs * kv_heads) if split else (1, threads)
+    row_max = np.empty((slots, spans, heads), dtype=q.dtype)
+    row_sum = np.empty_like(row_max)
+    acc = np.empty((slots, spans, heads, d), dtype=q.dtype)
+    # one parallel loop, not one per mode (each prange compiles apart: three took ~9 s per kv dtype, cold)
+    for item in prange(seqs * kv_heads * per_item):
+        pair, first = divmod(np.int64(item), per_item)  # prange indices are unsigned: keep ints signed
+        s, h = divmod(pair, kv_heads)
+        me = numba.get_thread_id()
+        slot = pair if split else me
+        count = (ends[s] - starts[s] + span - 1) // span
+        last = first + 1 if split else count
+        for c in range(first, last):
+            lo = starts[s] + c * span
+            if lo >= ends[s]:  # past this row's keys: an empty span weighs nothing in _combine
+                row_max[slot, c] = -np.inf
+                row_sum[slot, c] = zero
+                continue
+            _span(q[s], h, kc, ks, kz, vc, vs, vz, kind, group, block_tables[s], lo, min(lo + span, ends[s]), zero,
+                  row_max[slot, c], row_sum[slot, c], acc[slot, c], scores[me], tiles[me, 0], tiles[me, 1])
+        if not split:
             _combine(row_max[me, :count], row_sum[me, :count], acc[me, :count], zero,
                      out[s, h * heads:(h + 1) * heads])
-        return
-    row_max = np.empty((seqs, kv_heads, spans, heads), dtype=q.dtype)
-    row_sum = np.empty_like(row_max)
-    acc = np.empty((seqs, kv_heads, spans, heads, d), dtype=q.dtype)
-    for item in prange(seqs * kv_heads * spans):
-        s, rest = divmod(np.int64(item), kv_heads * spans)
-        h, c = divmod(rest, spans)
-        me = numba.get_thread_id()
-        lo = starts[s] + c * span
-        if lo >= ends[s]:  # past this row's keys: an empty span weighs nothing in _combine
-            row_max[s, h, c] = -np.inf
-            row_sum[s, h, c] = zero
-            continue
-        _span(q[s], h, kc, ks, kz, vc, vs, vz, kind, group, block_tables[s], lo, min(lo + span, ends[s]), zero,
-              row_max[s, h, c], row_sum[s, h, c], acc[s, h, c], scores[me], tiles[me, 0], tiles[me, 1])
-    for item in prange(seqs * kv_heads):
-        s, h = divmod(np.int64(item), kv_heads)
-        _combine(row_max[s, h], row_sum[s, h], acc[s, h], zero, out[s, h * heads:(h + 1) * heads])
+    if split:  # fewer than SPLIT_ITEMS (row, KV head) pairs: their combines are cheap, one after another
+        for pair in range(seqs * kv_heads):
+            s, h = divmod(pair, kv_heads)
+            _combine(row_max[pair], row_sum[pair], acc[pair], zero, out[s, h * heads:(h + 1) * heads])
 
 
 SPLIT_ITEMS = 16  # fewer (row, KV head) items than this: one item per span instead, so both threads work
