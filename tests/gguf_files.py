@@ -161,6 +161,17 @@ def summation_bound(x: np.ndarray, weights: np.ndarray) -> np.ndarray:
 
 
 
+def same_in_every_layer(q: str, k: str, v: str, o: str, gate: str, up: str, down: str) -> tuple[str, ...]:
+    """`types` for write_gguf that give every layer of an untied Llama the same type per matrix. The file
+    cycles `types` over its matrices in order (embed_tokens, lm_head, then each layer's q, k, v, o, gate,
+    up, down), so a cycle of seven set at the layers' offset repeats in every layer (embed_tokens takes
+    up's type, lm_head down's). Why: each q/k/v or gate/up mix is a variant of the fused decode kernels,
+    compiled apart (10-30 s each, cold), and a short cycle gives every layer a mix of its own, where a
+    real file (a Q4_K_M) repeats one or two."""
+    by_role = (q, k, v, o, gate, up, down)
+    return tuple(by_role[(i - 2) % 7] for i in range(7))
+
+
 def write_gguf(path: Path, config: ModelConfig, *, tokenizer: str = "gpt2", pre: str = "qwen2",
                types: Sequence[str] = ("F32",), seed: int = 0, chat_template: str | None = CHAT_TEMPLATE,
                extra: Callable[[Any], None] | None = None, name: str = "kvlab test model",

@@ -121,14 +121,17 @@ def reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, starts: np.nd
 # --- a model with int8 activations ----------------------------------------------------------------------
 @pytest.fixture(scope="module", params=[16, 32], ids=["head_dim16", "head_dim32"])
 def q8_model(request, tmp_path_factory):
-    """A Q4_1/Q8_0 GGUF model in the int8-activation mode, head dim 16 (the kernels' numba loops) or 32
-    (their vector code)."""
+    """A Q8_0 GGUF model in the int8-activation mode, head dim 16 (the kernels' numba loops) or 32 (their
+    vector code). One type, not a mix: every type's rows are held to batch invariance alone
+    (test_an_integer_products_row_ignores_the_rows_beside_it) and a stack of types gives each part's bits
+    (test_quantized_kernels.py), while a mixed file here compiled four fused-kernel variants of its own (80 s
+    of a cold CI run); a Q8_0 file shares the ones the other tests' Q8_0 files compile."""
     import kvlab
     from gguf_files import small_config, write_gguf
 
     path = tmp_path_factory.mktemp("invariant") / "m.gguf"
     write_gguf(path, small_config("llama", hidden_size=4 * request.param, max_position_embeddings=160),
-               types=("Q4_1", "Q8_0"))
+               types=("Q8_0",))
     model, _ = kvlab.load(path, backend="numba", activations="q8")
     assert model.ops.batch_invariant
     return model

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from gguf_files import blocks
+from gguf_files import blocks, same_in_every_layer
 from kvlab.errors import CacheMismatchError, InputError
 from kvlab.kernels import AVAILABLE
 from kvlab.model.act_quant import round_activations, rounded
@@ -168,7 +168,9 @@ def q4_1_file(tmp_path_factory):
     from gguf_files import small_config, write_gguf
 
     path = tmp_path_factory.mktemp("q8act") / "m.gguf"
-    write_gguf(path, small_config("llama", max_position_embeddings=128), types=("Q4_1", "Q8_0"))
+    # q/k/v a stack of Q4_1 and Q8_0 (the same in both layers: one variant of the fused kernels to compile)
+    write_gguf(path, small_config("llama", max_position_embeddings=128),
+               types=same_in_every_layer(q="Q4_1", k="Q8_0", v="Q4_1", o="Q8_0", gate="Q4_1", up="Q8_0", down="Q4_1"))
     return path
 
 
@@ -226,13 +228,14 @@ def test_the_mode_has_its_own_fingerprint_and_refuses_the_exact_models_cache(q4_
 
     model, _ = kvlab.load(q4_1_file, backend="numba", activations="float32")
     exact_print = model.fingerprint
-    ids = np.array([[1, 2, 3, 4]])
+    # a prefill past the fused kernels' rows: the exact mode's stack of Q4_1 and Q8_0 never compiles here
+    ids = np.arange(model.ops.max_fused_rows + 1)[None] % 50
     cache = model.forward(ids, use_cache=True).cache
     model.set_activations("q8")
     assert model.fingerprint != exact_print
     with pytest.raises(CacheMismatchError):
         model.forward(ids[:, :1], cache=cache)
-    assert cache.get_seq_length() == 4
+    assert cache.get_seq_length() == ids.shape[1]
     model.set_activations(None)
     assert model.fingerprint == exact_print and model.activations == "float32"
 

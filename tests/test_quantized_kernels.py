@@ -107,22 +107,15 @@ def test_inner_loop_is_eight_rows_in_a_vector_register():
 
 
 # --- matrices of different types stacked by rows (a Q4_K_M layer's q/k/v) -------------------------------
-_STACKED_RUNNER = {}
+if AVAILABLE:
+    from numba import njit
 
+    from kvlab.kernels import qdecode_layer
 
-def _stacked_runner():
-    """An njit wrapper of qdecode_layer._stacked (an overload: callable from compiled code only)."""
-    if "run" not in _STACKED_RUNNER:
-        from numba import njit
-
-        from kvlab.kernels import qdecode_layer
-
-        @njit
-        def run(x, w, out):
-            qdecode_layer._stacked(x, w, out)
-
-        _STACKED_RUNNER["run"] = run
-    return _STACKED_RUNNER["run"]
+    @njit(cache=True)  # cached: a test-local kernel, not cached, compiled its ~40 s in every run
+    def stacked_runner(x, w, out):
+        """qdecode_layer._stacked (an overload: callable from compiled code only) from Python."""
+        qdecode_layer._stacked(x, w, out)
 
 
 @needs_numba
@@ -150,9 +143,9 @@ def test_stacked_products_are_each_parts_product_in_its_columns(types, activatio
                  for p in parts)
     alone = [np.full((rows, p.shape[0]), np.nan, dtype=np.float32) for p in parts]
     for w, o in zip(args, alone):
-        _stacked_runner()(x, w, o)  # one matrix: the fused kernels' product of it alone
+        stacked_runner(x, w, o)  # one matrix: the fused kernels' product of it alone
     out = np.full((rows, sum(p.shape[0] for p in parts)), np.nan, dtype=np.float32)
-    _stacked_runner()(x, args, out)
+    stacked_runner(x, args, out)
     assert np.array_equal(out, np.concatenate(alone, axis=1))
     if activations == "q8":  # the integer products are the model's q8 products of each matrix, bit for bit
         assert np.array_equal(out, np.concatenate([p.matmul_t(x, True, "q8") for p in parts], axis=1))

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gguf_files import assert_cached_logits_match, random_k_blocks
+from gguf_files import assert_cached_logits_match, random_k_blocks, same_in_every_layer
 from kvlab.model.ggml_quants import BLOCK_SIZES, BLOCK_TYPES, dequantize, unpack
 from kvlab.kernels import AVAILABLE
 from kvlab.model.quantized import QuantizedMatrix
@@ -93,6 +93,8 @@ def test_rows_concat_and_fingerprint():
 
 
 # --- a model that keeps its weights quantized ---------------------------------------------------------
+# A Q4_K_M-like mix of three types, the same in every layer: q/k/v a stack of three types, gate/up of two
+MIXED = same_in_every_layer(q="Q4_K", k="Q6_K", v="Q5_0", o="Q4_K", gate="Q5_0", up="Q6_K", down="Q4_K")
 def small_gguf(tmp_path, types):
     from gguf_files import small_config, write_gguf
 
@@ -105,7 +107,8 @@ def small_gguf(tmp_path, types):
 
 
 @pytest.mark.parametrize("backend", ["numba", "numpy"] if AVAILABLE else ["numpy"])
-@pytest.mark.parametrize("types", [("Q8_0",), ("Q4_0", "Q4_1"), ("Q4_K", "Q6_K", "Q5_0"), ("F16", "Q8_0")])
+@pytest.mark.parametrize("types", [("Q8_0",), ("Q4_0", "Q4_1"), MIXED, ("F16", "Q8_0")],
+                         ids=["Q8_0", "Q4_0-Q4_1", "mixed-K", "F16-Q8_0"])
 def test_a_gguf_kept_as_stored_computes_the_dequantized_models_logits(tmp_path, backend, types):
     """`weights_dtype="stored"`: matrices stay codes (or half), the Q/K rows are unpermuted as whole rows,
     q/k/v of different types are stacked, and the logits, a decode through the cache and greedy tokens
@@ -148,7 +151,7 @@ def test_quantize_at_load_and_bad_weight_choices(tmp_path):
         kvlab.load(dtype="float64", weights_dtype="q4_0")
 
 
-@pytest.mark.parametrize("types", [("Q4_K", "Q6_K", "Q5_0"), ("F16", "Q8_0", "Q4_1")])
+@pytest.mark.parametrize("types", [MIXED, ("F16", "Q8_0", "Q4_1")], ids=["mixed-K", "F16-Q8_0-Q4_1"])
 def test_memory_reports_the_resident_weight_bytes_of_a_gguf(tmp_path, types):
     """`kvlab memory --model x.gguf` gives the weights' resident bytes from the directory alone: what the
     loader keeps as stored (codes + float32 scales/offsets, half as half), and as float32."""
@@ -184,8 +187,8 @@ def test_decode_rows_take_the_fused_kernels_and_prefill_rows_the_bands(tmp_path)
 
     from fused_calls import CountingFused as Counting
 
-    # ("Q4_K", "Q6_K", "Q5_0") cycles q/k/v and gate/up over three types: stacks (RowStack) that fuse too
-    for types, fused in ((("Q8_0",), True), (("Q4_K", "Q6_K", "Q5_0"), True), (("F16", "Q8_0"), False)):
+    # MIXED gives q/k/v and gate/up each several types: stacks (RowStack) that fuse too
+    for types, fused in ((("Q8_0",), True), (MIXED, True), (("F16", "Q8_0"), False)):
         path, _ = small_gguf(tmp_path, types)
         model, _ = kvlab.load(path, weights_dtype="stored", backend="numba", activations="float32")
         ops = model.ops
