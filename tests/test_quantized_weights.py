@@ -165,6 +165,11 @@ def test_memory_reports_the_resident_weight_bytes_of_a_gguf(tmp_path, types):
     path, _ = small_gguf(tmp_path, types)
     kept = read_checkpoint(path, np.float32, progress=False, keep_stored=True).weights
     assert any(isinstance(w, QuantizedMatrix) for w in kept.values())
+    if types == MIXED:  # same_in_every_layer: every layer the same types per matrix, as asked
+        for layer in range(2):
+            names = [f"model.layers.{layer}.{m}.weight" for m in ("self_attn.q_proj", "self_attn.k_proj",
+                     "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+            assert [kept[n].type_name for n in names] == ["Q4_K", "Q6_K", "Q5_0", "Q4_K", "Q5_0", "Q6_K", "Q4_K"]
     sized = gguf_weight_bytes(str(path))
     assert {k: sized[k] for k in ("weights_stored", "weights_float32")} == {
         "weights_stored": sum(w.nbytes for w in kept.values()),
