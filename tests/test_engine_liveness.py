@@ -148,3 +148,18 @@ def test_a_sliding_window_prefix_hit_longer_than_the_pool_is_admitted():
     expected = int(model.forward([prompt + [9]]).logits[0, -1].argmax())
     assert out.outputs[0].token_ids == [expected]
     engine.block_pool.check_invariants()
+
+
+def test_a_lone_request_that_cannot_get_its_blocks_is_a_clear_error_not_a_livelock() -> None:
+    """The scheduler's liveness guard: every configuration the engine accepts serves a lone request, so if
+    blocks go missing anyway (here taken from the pool behind the scheduler's back, standing for a bug), the
+    request neither preempts itself forever nor waits: the step raises an error that names the sequence,
+    the blocks it needs, its KV-cache group and the pool's free and total blocks."""
+    engine = Engine(MODEL, block_size=4, num_blocks=8, max_num_batched_tokens=4)
+    engine.add_request("lone", list(range(1, 13)), SamplingParams(max_tokens=1))  # 12 tokens, 3 chunks of 4
+    engine.step()  # admitted: its first chunk holds one block
+    leaked = engine.block_pool.allocate(engine.block_pool.num_free_blocks)
+    assert leaked and engine.block_pool.num_free_blocks == 0
+    with pytest.raises(RuntimeError, match=r"^liveness: sequence lone#0 alone in the pool needs 1 free blocks "
+                                           r"of KV-cache group 0 for 4 tokens but 0 of 8 are free$"):
+        engine.step()

@@ -296,3 +296,30 @@ def test_speculation_under_a_json_schema_gives_the_same_valid_answer(temperature
     for out in spec:
         if out.finish_reason == "stop":
             assert set(json.loads(out.text)) == {"speaker", "mood"}
+
+
+@pytest.mark.parametrize("chunk, k", [(2, 6), (3, 1), (4, 2), (5, 3), (8, 6)])
+def test_guesses_take_the_steps_token_budget_like_any_token(chunk, k):
+    """A decode's guesses ride in the step's token budget (max_num_batched_tokens): with three sequences
+    decoding side by side, no step computes more rows than the budget, guesses included; a sequence left
+    with room for its next token only runs that token (never a guess in its place: k = chunk - 2 leaves
+    the second sequence one row after the first's guesses), so the tokens are plain decoding's; and guesses
+    were made. Bounded in steps: a wrong budget fails, never hangs."""
+    prompts = [repetitive(i, 2 * chunk) for i in range(3)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    outputs = []
+    for speculative in (None, {**NGRAM, "num_speculative_tokens": k}):
+        engine = Engine(MODEL, speculative_config=speculative, max_num_batched_tokens=chunk, max_num_seqs=3)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        widest, done = 0, {}
+        for _ in range(200):
+            if not engine.has_unfinished_requests():
+                break
+            before = engine.counters.num_computed_tokens
+            done.update({out.request_id: out.outputs[0].token_ids for out in engine.step() if out.finished})
+            widest = max(widest, engine.counters.num_computed_tokens - before)
+        assert not engine.has_unfinished_requests() and widest == chunk
+        outputs.append(done)
+    assert outputs[1] == outputs[0] and len(outputs[0]) == 3
+    assert engine.stats()["spec_decode_num_draft_tokens"] > 0
