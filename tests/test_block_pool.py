@@ -334,3 +334,21 @@ def test_the_key_maps_disagree() -> None:
     assert cache.lookup(key) == table[0]
     cache._cached[key] = table[1]  # the key now names the other registered block
     broken(lambda: cache.check_invariants(set(pool._free)))
+
+
+@pytest.mark.parametrize("name", ["num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"])
+def test_a_pool_of_a_non_positive_size_is_refused_naming_it(name) -> None:
+    """Each size the pool is built from must be a positive int: 0 or 2.5 is an InputError that names it."""
+    sizes = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 4, "block_size": 4, "num_blocks": 8}
+    for bad in (0, 2.5):
+        with pytest.raises(InputError, match=rf"^{name} must be"):
+            BlockPool(dtype=np.float32, **{**sizes, name: bad})
+
+
+def test_a_second_evictor_is_refused_and_the_first_kept() -> None:
+    """One prefix cache per pool: attaching a second evictor is an InputError that says so."""
+    pool = BlockPool(2, 2, 4, np.float32, 4, 8)
+    first = PrefixCache(pool)
+    with pytest.raises(InputError, match=r"^this pool already has an evictor \(one prefix cache per pool\)$"):
+        pool.attach(PrefixCache.__new__(PrefixCache))
+    assert pool.evictor is first
