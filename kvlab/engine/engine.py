@@ -27,7 +27,7 @@ from kvlab.engine.kv_bounds import KVBounds
 from kvlab.engine.kv_groups import CacheGroup
 from kvlab.engine.model_runner import ModelRunner
 from kvlab.engine.output_processor import OutputProcessor
-from kvlab.engine.request import Request, RequestOutput, Sequence, Status
+from kvlab.engine.request import PromptScore, Request, RequestOutput, Sequence, Status
 from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.speculative import SpeculativeConfig, Speculator, make_draft
 from kvlab.errors import ConfigError, ContextLengthError, InputError
@@ -106,8 +106,10 @@ class Engine:
         self._ids = itertools.count()
 
     # --- requests ------------------------------------------------------------------------------------------
-    def _make_request(self, request_id: Any, prompt: Any, params: Any, cache_salt: Any) -> Request:
-        """Validate everything about one request and build it, touching no engine state."""
+    def _make_request(self, request_id: Any, prompt: Any, params: Any, cache_salt: Any,
+                      scoring: bool = False) -> Request:
+        """Validate everything about one request and build it, touching no engine state (`scoring`: the
+        prompt alone must fit, Engine.score)."""
         if not isinstance(request_id, str) or not request_id:
             raise InputError(f"request_id must be a non-empty str, got {request_id!r}")
         if request_id in self._requests:
@@ -124,7 +126,7 @@ class Engine:
         if params.n > self.scheduler.max_num_seqs:
             raise InputError(f"n={params.n} samples can never run at once with max_num_seqs="
                              f"{self.scheduler.max_num_seqs}")
-        wanted = params.max_tokens if params.max_tokens is not None else 1
+        wanted = 0 if scoring else params.max_tokens if params.max_tokens is not None else 1
         if self.kv_policy is None and len(ids) + wanted > self.max_model_len:  # a policy keeps its budget
             raise ContextLengthError(
                 f"{len(ids)} prompt tokens + {wanted} new tokens exceed max_model_len "
@@ -279,6 +281,26 @@ class Engine:
                 else:
                     self._pending[output.request_id] = output
         return [results[r.request_id] for r in requests]
+
+    def score(self, prompt: list[int] | str) -> PromptScore:
+        """The logits after every prompt token (`.logits`, one row each), as this engine computes them: its
+        chunk schedule, cache dtype and cache policy. What `kvlab fidelity` compares with the exact cache.
+
+        The prompt runs as a greedy request for one token, under a cache salt of its own so that no
+        prefix-cache entry serves it: every row is computed here. Other requests keep running; their
+        outputs are kept for the caller's next `step()`."""
+        request_id = f"score-{next(self._ids)}"
+        while request_id in self._requests:
+            request_id = f"score-{next(self._ids)}"
+        request = self._make_request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0),
+                                     cache_salt=request_id, scoring=True)
+        request.score = PromptScore()
+        self._enqueue(request)
+        while not request.finished():
+            for output in self.step():
+                if output.request_id != request_id:
+                    self._pending[output.request_id] = output
+        return request.score
 
     # --- inspection ----------------------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:

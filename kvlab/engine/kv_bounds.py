@@ -81,6 +81,12 @@ def held_blocks(seq: Sequence) -> list[int]:
     return [b for b in seq.block_table if b != NULL_BLOCK] + (list(view.sink_source) if view else [])
 
 
+def held_rows(seq: Sequence) -> int:
+    """K/V rows the sequence's next query sees: every computed row, or a policy's kept prefix + tail."""
+    view, computed = seq.kv_view, seq.num_computed_tokens
+    return view.prefix + computed - view.window_start if view is not None and view.evicted else computed
+
+
 class KVBounds:
     """What bounds a sequence's blocks: a sliding window (the model's) and/or a cache policy (the engine's)."""
 
@@ -117,9 +123,7 @@ class KVBounds:
         """New rows `seq` may write before its policy must evict (None: no policy, no limit)."""
         if self.policy is None:
             return None
-        view, computed = seq.kv_view, seq.num_computed_tokens
-        length = view.prefix + computed - view.window_start if view is not None and view.evicted else computed
-        return self.policy.budget - length
+        return self.policy.budget - held_rows(seq)
 
     def max_hit_blocks(self) -> int | None:
         """A policy request takes at most this many prefix-cache blocks: fewer rows than its budget, so its
@@ -138,8 +142,7 @@ class KVBounds:
         view = seq.kv_view
         if view is None:
             view = seq.kv_view = PolicyView()
-        computed = seq.num_computed_tokens
-        length = view.prefix + computed - view.window_start if view.evicted else computed
+        computed, length = seq.num_computed_tokens, held_rows(seq)
         if length + num_new <= self.policy.budget:
             return
         rows = np.asarray(self.policy.keep(length, num_new), dtype=np.int64)

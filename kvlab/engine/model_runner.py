@@ -12,11 +12,13 @@ K/V from its group's pool (GroupedKV).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from kvlab.cache.paged import BlockPool, gather_blocks, slot_mapping, write_slots
 from kvlab.engine.counters import StepCounters
-from kvlab.engine.kv_bounds import NULL_BLOCK, KVBounds
+from kvlab.engine.kv_bounds import NULL_BLOCK, KVBounds, held_rows
 from kvlab.engine.kv_groups import CacheGroup, GroupedKV
 from kvlab.engine.request import Sequence
 from kvlab.model.batch import BatchInput
@@ -108,13 +110,37 @@ class ModelRunner:
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[np.ndarray, list[Sequence]]:
         """One batched forward over every scheduled token; logits [len(sampled), vocab] and `sampled`."""
         batch, sampled = self.prepare(scheduled)
+        scoring = _scoring_rows(scheduled)
+        if scoring:  # a scoring request's every row: after the sampled rows, split off below
+            extra = [np.arange(row, row + num_new) for row, _, _, num_new in scoring]
+            batch = replace(batch, logits_indices=np.concatenate([batch.logits_indices, *extra]))
         for seq, _ in scheduled:
             self.write_sinks(seq)
         logits = self.model.forward_batch(batch, self.kv)
         for seq, num_new in scheduled:  # every layer has written: commit, then make full blocks findable
             if not seq.draft:  # a speculating sequence commits what verification keeps (commit_accepted)
                 self.commit(seq, num_new)
+        if scoring:
+            split = len(logits) - sum(num_new for *_, num_new in scoring)
+            self._keep_scores(scoring, logits[split:])
+            logits = logits[:split]
         return logits, sampled
+
+    def _keep_scores(self, scoring: list[tuple[int, Sequence, int, int]], rows: np.ndarray) -> None:
+        """Record each scoring sequence's prompt rows' logits by position (a recomputed row replaces its
+        first copy), and the rows its cache holds after the step."""
+        at = 0
+        for _, seq, start, num_new in scoring:
+            score = seq.request.score
+            for offset in range(min(num_new, seq.request.num_prompt_tokens - start)):
+                position, row = start + offset, rows[at + offset]
+                if position < len(score.logits):
+                    score.logits[position] = row
+                else:
+                    score.logits.append(row)
+            score.rows = held_rows(seq)
+            score.peak_rows = max(score.peak_rows, score.rows)
+            at += num_new
 
     def write_sinks(self, seq: Sequence) -> None:
         """A policy's prefix rows, re-rotated by view_start from the originals (its sink source), written at
@@ -156,6 +182,19 @@ class ModelRunner:
             if len(table) > keep:
                 group.pool.release([b for b in table[keep:] if b != NULL_BLOCK])
                 del table[keep:]
+
+
+def _scoring_rows(scheduled: list[tuple[Sequence, int]]) -> list[tuple[int, Sequence, int, int]]:
+    """(first row in the flat batch, sequence, first position, rows) of each scheduled sequence whose request
+    is scoring its prompt (Engine.score); rows are laid out in schedule order."""
+    if all(seq.request.score is None for seq, _ in scheduled):
+        return []
+    found, row = [], 0
+    for seq, num_new in scheduled:
+        if seq.request.score is not None:
+            found.append((row, seq, seq.num_computed_tokens, num_new))
+        row += num_new
+    return found
 
 
 def _readable(table: list[int]) -> list[int]:

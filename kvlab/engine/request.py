@@ -34,6 +34,16 @@ class CompletionOutput:
 
 
 @dataclass
+class PromptScore:
+    """What a scoring request (Engine.score) collects as its prompt runs: the logits after every prompt
+    token, and how many K/V rows its queries saw (a cache policy bounds them; evicted = fed - rows)."""
+
+    logits: list = field(default_factory=list)  # one [vocab] row per prompt token, in order
+    peak_rows: int = 0  # most rows the sequence's cache held after a step
+    rows: int = 0       # rows it holds now
+
+
+@dataclass
 class RequestOutput:
     """A request's state after a step: prompt, cache hit, and every sample's tokens so far."""
 
@@ -116,6 +126,7 @@ class Request:
     admitted: bool = False
     seqs: list[Sequence] = field(default_factory=list)
     num_kv_groups: int = 1  # block tables per sequence: one per KV-cache group of the engine
+    score: PromptScore | None = None  # set by Engine.score: keep every prompt row's logits
 
     def __post_init__(self) -> None:
         self.forked = self.params.n == 1
