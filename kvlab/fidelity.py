@@ -1,8 +1,8 @@
 """Fidelity: how much a lossy cache (quantized storage, an eviction policy, or both) changes the model.
 
 The held-out token stream is cut into windows of `context` tokens, each opened by <bos> as in
-kvlab/perplexity.py. Every cache choice reads each window one token per forward (decode steps, so a policy
-evicts exactly when a real generation would), and its next-token distribution at every position is
+kvlab/perplexity.py. Every cache choice reads each window in the engine, one token a step (so a policy
+evicts exactly when a real generation would; Engine.score), and its next-token distribution at every position is
 compared with the exact cache's: KL(exact || choice) in nats (mean and max over positions), top-1
 agreement, and perplexity. Memory is the K/V payload plus quantization scales per cached token, and the
 most the cache ever held; speed is decode tokens per second over the same steps (all choices run side by
@@ -18,15 +18,14 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from kvlab.errors import InputError
+from kvlab.errors import ConfigError, InputError
 from kvlab.model.llama import LlamaModel
 from kvlab.model.quantized import QUANTIZE_TYPES, QuantizedMatrix, dequantized, quantize_weights, weight_choice
 from kvlab.perplexity import log_softmax, windows
-from kvlab.policies.apply import forward_with_policy
 from kvlab.policies.parse import CacheChoice, parse_cache_choice
 
 DEFAULT_CHOICES = ("exact", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "int8-channel", "int4",
-                   "int4-channel", "window:64", "sinks:4:60", "shift:4:64", "h2o:32:32", "int8+sinks:4:60")
+                   "int4-channel", "window:64", "sinks:4:60", "shift:4:64", "int8+sinks:4:60")
 
 
 @dataclass(frozen=True)
@@ -62,27 +61,68 @@ class _Run:
 
 
 def _read_window(model: LlamaModel, window: np.ndarray, choice: CacheChoice) -> _Run:
+    """The choice's log-probabilities after every token of `window` [1, T], fed one token per step.
+
+    Every choice runs in the engine (kvlab/engine), as `kvlab generate` and the server would run it: its
+    block pool in the choice's dtype, its cache policy, one token a step so that a policy evicts exactly
+    when a generation would. Per-channel keys (KIVI), which a block pool cannot hold, and the reference run
+    read the contiguous KVCache, one `model.forward` a token."""
+    if choice.policy is None and (choice.name == "reference" or _channel_keys(choice)):
+        return _read_contiguous(model, window, choice)
+    from kvlab.engine.engine import Engine
+
+    length = window.shape[1]
+    engine = Engine(model, **_engine_settings(choice, length))
+    start = time.perf_counter()
+    score = engine.score([int(t) for t in window[0]])
+    seconds = time.perf_counter() - start
+    per_token = engine.block_pool.bytes_per_block / _BLOCK
+    return _Run(log_softmax(np.stack(score.logits)), seconds, score.peak_rows,
+                round(score.peak_rows * per_token), length - score.rows)
+
+
+_BLOCK = 16  # block size of the engine's pool in fidelity runs (bytes per token do not depend on it)
+
+
+def _engine_settings(choice: CacheChoice, length: int) -> dict:
+    """The engine a choice reads a window of `length` tokens in: one token a step, no prefix caching, a
+    pool with room for the window (a policy holds less)."""
+    return dict(kv_cache_dtype=choice.kv_dtype, kv_policy=choice.policy, max_num_batched_tokens=1,
+                block_size=_BLOCK, num_blocks=2 * (-(-(length + 1) // _BLOCK)) + 2, enable_prefix_caching=False,
+                max_model_len=length)
+
+
+def _check_choice(model: LlamaModel, choice: CacheChoice, context: int) -> None:
+    """Refuse a choice the engine would refuse, before any choice runs (its config is checked, nothing
+    allocated)."""
+    if _channel_keys(choice):
+        if choice.policy is not None:
+            raise InputError(f"{choice.name}: per-channel keys ({choice.kv_dtype}) are kept only by the contiguous "
+                             "cache, and cache policies run in the engine's block pool; measure them apart")
+        return
+    from kvlab.engine.config import EngineConfig
+
+    try:
+        EngineConfig.create(model, **_engine_settings(choice, context))
+    except ConfigError as exc:
+        raise InputError(f"{choice.name}: {exc}") from None
+
+
+def _channel_keys(choice: CacheChoice) -> bool:
+    return choice.kv_dtype is not None and choice.kv_dtype.lower().endswith("-channel")
+
+
+def _read_contiguous(model: LlamaModel, window: np.ndarray, choice: CacheChoice) -> _Run:
     cache = model.new_cache(kv_dtype=choice.kv_dtype, capacity=window.shape[1])
-    policy = choice.policy
-    if policy is not None:
-        policy.start(cache)
-    rows, seconds, peak_tokens, peak_bytes, fed = [], 0.0, 0, 0, 0
+    rows, seconds, peak_bytes = [], 0.0, 0
     for t in range(window.shape[1]):
-        step = window[:, t:t + 1]
         start = time.perf_counter()
-        if policy is None:
-            logits = model.forward(step, cache=cache, logits_to_keep=1).logits
-        else:
-            logits = forward_with_policy(model, step, cache, policy, logits_to_keep=1)
+        logits = model.forward(window[:, t:t + 1], cache=cache, logits_to_keep=1).logits
         seconds += time.perf_counter() - start
-        fed += 1
         rows.append(logits[0, -1])
-        length = cache.get_seq_length()
-        if length > peak_tokens:
-            report = cache.memory_report()
-            peak_tokens, peak_bytes = length, report.payload_bytes + report.scale_bytes
-    return _Run(log_softmax(np.stack(rows)), seconds, peak_tokens, peak_bytes,
-                fed - cache.get_seq_length())
+    report = cache.memory_report()
+    peak_bytes = report.payload_bytes + report.scale_bytes
+    return _Run(log_softmax(np.stack(rows)), seconds, cache.get_seq_length(), peak_bytes, 0)
 
 
 def _score(totals: dict, exact: np.ndarray, logp: np.ndarray, targets: np.ndarray,
@@ -111,6 +151,8 @@ def measure_fidelity(model: LlamaModel, token_ids: Sequence[int], bos_token_id: 
         raise InputError(f"context must be in 1..{model.config.max_position_embeddings}, got {context}")
     names = ["exact"] + [c for c in choices if c.strip().lower() != "exact"]
     parsed = [parse_cache_choice(c, context, model.dtype) for c in names]  # all refused before any run
+    for choice in parsed:
+        _check_choice(model, choice, context)
     totals = {c.name: dict(kl=0.0, kl_max=0.0, agree=0, nll=0.0, seconds=0.0, peak_tokens=0, peak_bytes=0,
                            evicted=0) for c in parsed}
     count = 0
