@@ -15,6 +15,7 @@ from kvlab.engine.config import DEFAULT_MAX_KV_BYTES, EngineConfig
 from kvlab.errors import ConfigError, InputError
 from kvlab.generation.loop import DecodeLoop, StopReason, stop_reason
 from kvlab.prefix.block_hash import block_key, root_key
+from kvlab.policies.base import Policy
 from kvlab.prefix.prefix_cache import PrefixCache
 
 BYTES_PER_BLOCK = 2 * 2 * 2 * 16 * 8 * 8  # K and V, 2 layers, 2 KV heads, 16 positions, head_dim 8, float64
@@ -94,9 +95,14 @@ def test_engine_policy_errors_say_what_runs_instead(model):
 
     with pytest.raises(ConfigError) as info:
         EngineConfig.create(model, kv_policy="h2o:4:8")
-    assert str(info.value) == ("kv_policy h2o:4:8 cannot run in the paged engine: it keeps rows by attention "
-                               "scores, which the engine's batched attention does not observe; use window:W, "
-                               "sinks:S:W or shift:KEEP[:BUDGET] (or kvlab generate --cache-policy)")
+    assert str(info.value) == ("kv_policy: cache policy 'h2o:4:8': H2O (heavy hitters) was removed: attention sinks "
+                               "beat it at the same memory on SmolLM2-135M (README, Cache policies); use sinks:S:W")
+    scattered = type("Scattered", (Policy,), dict(budget=6, name="scattered"))()
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.create(model, kv_policy=scattered)
+    assert str(info.value) == ("kv_policy scattered cannot run in the paged engine: it must keep a text prefix "
+                               "plus a tail, as window:W, sinks:S:W and shift:KEEP[:BUDGET] do "
+                               "(kvlab/engine/kv_bounds.py)")
     with pytest.raises(ConfigError) as info:
         EngineConfig.create(TinyLlama(seed=1, sliding_window=8), kv_policy="window:16")
     assert str(info.value) == ("kv_policy window:16 on a sliding-window model (sliding_window 8): the model "

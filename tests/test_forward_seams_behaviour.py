@@ -13,14 +13,6 @@ from kvlab.config import tiny_config
 from kvlab.model.llama import LlamaModel
 from kvlab.model.quantized import quantize_weights
 from kvlab.model.weights import random_weights
-from kvlab.model.attention import ContiguousAttention, ObservedAttention
-
-
-def test_an_observed_attention_refuses_one_that_reads_the_cache_in_place():
-    model = TinyLlama(seed=1, backend="numba")
-    in_place = ContiguousAttention(None, np.arange(3), 1, model.config, True, model.dtype)
-    with pytest.raises(ValueError, match=r"^an observed attention must gather \(build it with compiled=False\)$"):
-        ObservedAttention(in_place, lambda *args: None)
 
 
 def biased_models():
@@ -79,31 +71,6 @@ def test_a_quantized_model_with_attention_biases_computes_the_dequantized_models
     assert np.abs(model.forward(ids).logits - want).max() <= 1e-4 * scale  # as tests/test_quantized_weights.py
 
 
-@pytest.mark.parametrize("backend", ["numba", "numpy"])
-def test_an_observed_forward_computes_the_same_logits_and_shows_every_layer_its_inputs(backend):
-    """H2O's view (an observer) must not change what is computed: a causal prefill, then a decode step."""
-    model = TinyLlama(seed=2, backend=backend)
-    seen = []
-
-    def observer(layer, q, keys, mask):
-        seen.append((layer, q.shape, keys.shape, None if mask is None else mask.copy()))
-
-    ids = np.array([[3, 1, 4, 1, 5, 9]])
-    observed, plain = model.new_cache(), model.new_cache()
-    got = model.forward(ids, cache=observed, observer=observer).logits
-    np.testing.assert_allclose(got, model.forward(ids, cache=plain).logits, rtol=0, atol=1e-12)
-    heads, kv_heads, d = model.config.num_attention_heads, model.config.num_key_value_heads, model.config.head_dim
-    assert [(layer, q, k) for layer, q, k, _ in seen] == [(0, (1, heads, 6, d), (1, kv_heads, 6, d)),
-                                                         (1, (1, heads, 6, d), (1, kv_heads, 6, d))]
-    causal = np.tril(np.ones((6, 6), dtype=bool))  # the boolean mask of allowed (query, key) pairs
-    assert all(np.array_equal(mask, causal) for *_, mask in seen)
-    seen.clear()
-    step = model.forward([[2]], cache=observed, observer=observer).logits
-    np.testing.assert_allclose(step, model.forward([[2]], cache=plain).logits, rtol=0, atol=1e-12)
-    assert [(layer, k, mask) for layer, _, k, mask in seen] == [(0, (1, kv_heads, 7, d), None),
-                                                                (1, (1, kv_heads, 7, d), None)]  # sees all
-
-
 def quantized_biased_models():
     """The biased tiny config (o_proj bias too) quantized to Q8_0 at load: QuantizedOps and NumpyOps."""
     config = tiny_config(attention_bias=True)
@@ -144,7 +111,7 @@ KERNEL_MODULES = ("kvlab.kernels.attention", "kvlab.kernels.prefill_attention", 
 
 @pytest.mark.parametrize("window", [None, 3])
 def test_the_numpy_backend_runs_every_attention_without_the_compiled_kernels(monkeypatch, window):
-    """Contiguous prefill and decode, an observed step and the engine's paged steps on the NumPy backend load
+    """Contiguous prefill and decode and the engine's paged steps on the NumPy backend load
     no kernel module: the reference is NumPy only, whatever the cache could offer in place."""
     model = TinyLlama(seed=4, backend="numpy", sliding_window=window)
     prompts = [list(range(30, 50)), [4, 5, 6]]
@@ -154,7 +121,6 @@ def test_the_numpy_backend_runs_every_attention_without_the_compiled_kernels(mon
     cache = model.new_cache()
     model.forward([prompts[0]], cache=cache)
     model.forward([[7]], cache=cache)
-    model.forward([[8]], cache=cache, observer=lambda *args: None)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     assert [o.outputs[0].token_ids for o in Engine(model, block_size=4).generate(prompts, params)] == want
 

@@ -1,6 +1,6 @@
 """The model's shape: one layer loop behind two seams (Ops, Attention), and no concrete cache class inside.
 
-Every forward (a prefill, a decode step, the engine's batched paged step, an observed H2O step) runs the
+Every forward (a prefill, a decode step, the engine's batched paged step) runs the
 same loop, `ops.qkv_rope` -> `attention` -> `ops.output_mlp` once per layer; kvlab/model/ names the cache
 only through the protocols of kvlab/cache/base.py; nothing outside kvlab/model/ reaches into the model's
 private members.
@@ -54,13 +54,12 @@ def test_every_forward_runs_the_one_layer_loop(backend):
     cache = model.new_cache(2)
     model.forward(np.arange(10).reshape(2, 5), cache=cache)                      # prefill, 2 rows x 5
     model.forward([[3], [4]], cache=cache)                                       # decode
-    model.forward([[5], [6]], cache=cache, observer=lambda *args: None)          # observed (H2O)
     pool = BlockPool(layers, model.config.num_key_value_heads, model.config.head_dim, model.dtype, 4, 4)
     batch = BatchInput(np.array([1, 2, 3, 4]), np.array([0, 1, 2, 0]), [3, 1], [3, 1], [[0], [1]],
                        np.array([0, 1, 2, 4]), np.array([2, 3]))
     logits = model.forward_batch(batch, pool)                                    # the engine's paged step
     assert logits.shape == (2, model.config.vocab_size)
-    assert counting.calls == loop(10) + loop(2) + loop(2) + loop(4)
+    assert counting.calls == loop(10) + loop(2) + loop(4)
 
 
 def test_model_imports_no_concrete_cache_class():

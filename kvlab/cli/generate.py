@@ -1,9 +1,9 @@
 """`kvlab generate [--model PATH] "prompt"`: stream a completion to stdout, one stats line to stderr.
 
 Flags follow vLLM and llama.cpp (`-n/--max-tokens`, `--temperature`, `--top-p`, `--top-k`, `--min-p`,
-`--seed`, `--kv-cache-dtype`). The pieces are separate so another path can reuse them: `TextStream` prints
-tokens as they arrive and times them (pass its `on_token` to any generator, e.g. a prompt-cache session),
-`generate_tokens` runs the prompt through a KV cache that may already hold a prefix of it.
+`--seed`, `--kv-cache-dtype`). The engine runs it (kvlab/cli/engine_stream.py) with the pieces here:
+`TextStream` prints tokens as they arrive and times them, `check_prompt` refuses a prompt before it is
+echoed, `cache_policy` turns --context-shift / --cache-policy into a policy.
 """
 
 from __future__ import annotations
@@ -13,21 +13,17 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence, TextIO
+from typing import Any, Sequence, TextIO
 
 from kvlab.cache.dtypes import KV_CACHE_DTYPES
-from kvlab.cache.kv_cache import KVCache
 from kvlab.cli.checks import check_sampling_flags, draw_seed, drawn_seed_note
 from kvlab.cli.engine_stream import add_kv_tier_flag, add_speculative_flag, generate_with_engine, speculative_config
 from kvlab.cli.fmt import human_bytes, prompt_tokens_text, read_stdin
 from kvlab.cli.model_flags import add_activations_flag
-from kvlab.cli.sampling_flags import (add_grammar_flags, add_sampling_flags, compiled_grammar, grammar_spec,
-                                      sampling_settings)
-from kvlab.generation.generate import stream_generate
+from kvlab.cli.sampling_flags import add_grammar_flags, add_sampling_flags, grammar_spec, sampling_settings
 from kvlab.errors import ContextLengthError, InputError
-from kvlab.progress import KernelCompiles, compiling_kernels
+from kvlab.progress import KernelCompiles
 from kvlab.model.llama import LlamaModel
-from kvlab.policies.h2o import HeavyHitters
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -55,7 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep", type=int, default=0,
                    help="with --context-shift: prompt tokens never discarded, after <bos> (-1 = all; default 0)")
     p.add_argument("--cache-policy", metavar="SPEC", default=None,
-                   help="evict by a policy instead: window:W, sinks:S:W, shift:KEEP[:BUDGET], h2o:HEAVY:RECENT")
+                   help="evict by a policy instead: window:W, sinks:S:W, shift:KEEP[:BUDGET]")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"],
                    help="compute dtype (default float32)")
     p.add_argument("--chat", action="store_true",
@@ -186,34 +182,6 @@ def chat_template_hint(tokenizer: Any, chat: bool) -> str | None:
             "it as a user message through the template (instruct models expect that).")
 
 
-def generate_tokens(model: LlamaModel, prompt_ids: Sequence[int], on_token: Callable[[int], None], *,
-                    cache: KVCache, max_tokens: int | None, stop_token_ids: Sequence[int] = (),
-                    policy: Any = None, **sampling: Any) -> tuple[int, str]:
-    """Generate after `prompt_ids`, calling `on_token` per new token; returns (prompt rows computed, why it
-    stopped).
-
-    `cache` may already hold a prefix of the prompt (e.g. restored from a file): only the rest is computed,
-    but always at least the last prompt token, whose logits choose the first new token. `max_tokens=None`
-    runs to the end of the context. `sampling`: temperature, top_k, top_p, min_p, seed. With a cache
-    `policy` (kvlab/policies/) the context never fills: None then runs until a stop token.
-    """
-    prompt = [int(t) for t in prompt_ids]
-    context = model.config.max_position_embeddings
-    check_prompt(prompt, context, policy)
-    cached = min(cache.get_seq_length(), len(prompt) - 1)
-    if cached < cache.get_seq_length():
-        cache.crop(cached)
-    room = context - len(prompt) + 1  # the last new token needs no position of its own
-    if policy is not None:  # evictions make room: no end of context
-        room = sys.maxsize if max_tokens is None or max_tokens < 0 else max_tokens
-    limit = room if max_tokens is None or max_tokens < 0 else min(max_tokens, room)
-    loop = stream_generate(model, [prompt[cached:]], limit, cache=cache, stop_token_ids=stop_token_ids,
-                           policy=policy, **sampling)
-    for step in loop:
-        on_token(int(step[0]))
-    return len(prompt) - cached, loop.reason.value
-
-
 def encode_prompt(tokenizer: Any, text: str, chat: bool) -> list[int]:
     if not chat:
         return tokenizer.encode(text)
@@ -253,7 +221,7 @@ def stop_token_ids(model: LlamaModel, tokenizer: Any) -> list[int]:
 
 def open_stream(args: argparse.Namespace, tokenizer: Any, text: str, prompt: list[int], stop: list[int],
                 resolved: Any, seed_drawn: bool) -> "TextStream":
-    """What both of generate's paths say before the first token: the chat-template hint, the echoed prompt,
+    """What generate says before the first token: the chat-template hint, the echoed prompt,
     and (-v) the sampling settings; the stream the completion is written to."""
     hint = chat_template_hint(tokenizer, args.chat)
     if hint:
@@ -288,38 +256,4 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load(args.model, dtype=args.dtype, activations=args.activations)
     prompt = encode_prompt(tokenizer, text, args.chat)
     policy = cache_policy(args, model, prompt, tokenizer)
-    if not isinstance(policy, HeavyHitters):  # the engine runs everything else
-        return generate_with_engine(args, model, tokenizer, text, prompt, spec, resolved, seed_drawn, policy)
-    if spec is not None or args.kv_tier:
-        raise InputError(f"--cache-policy {args.cache_policy} (H2O keeps rows by attention scores) runs only on "
-                         "the contiguous reference cache: it cannot be combined with --speculative-config or "
-                         "--kv-tier")
-    stop = [] if args.ignore_eos else stop_token_ids(model, tokenizer)
-    max_tokens = None if args.max_tokens == -1 else args.max_tokens
-    context = model.config.max_position_embeddings
-    capacity = min(context, len(prompt) + (max_tokens or context), policy.budget)
-    cache = model.new_cache(1, kv_dtype=args.kv_dtype, capacity=capacity)
-    with compiling_kernels() as warm_up:  # a first run compiles, and says so; a warm one loads numba's disk cache
-        model.warm_up(args.kv_dtype)  # so the prefill figure is the prefill's own
-    check_prompt(prompt, context, policy)  # before the prompt is echoed
-    stream = open_stream(args, tokenizer, text, prompt, stop, resolved, seed_drawn)
-    stream.start()
-    sampling = dict(**resolved.values, seed=args.seed,
-                    grammar=compiled_grammar(args, tokenizer, model.config.vocab_size, stop))
-    compiles = KernelCompiles().start()  # a compile the warm-up did not cover: kept out of the figures
-    try:
-        computed, reason = generate_tokens(
-            model, prompt, stream.on_token, cache=cache, max_tokens=max_tokens, stop_token_ids=stop,
-            policy=policy, **sampling)
-    except KeyboardInterrupt:
-        computed, reason = len(prompt), "interrupted"
-    finally:
-        compiles.stop()
-    stream.finish()
-    report = cache.memory_report()
-    stats = stream.stats(len(prompt), computed, cache.get_seq_length(), report.payload_bytes + report.scale_bytes,
-                         report.dtype, reason, compiles)
-    stats.compile_seconds += warm_up.seconds
-    print(stats.line() + f" | sampling: {resolved.summary()}"
-          + (f" | {drawn_seed_note(args.seed)}" if seed_drawn else ""), file=sys.stderr, flush=True)
-    return 130 if reason == "interrupted" else 0
+    return generate_with_engine(args, model, tokenizer, text, prompt, spec, resolved, seed_drawn, policy)

@@ -182,9 +182,8 @@ def _engine_policy(spec: object, config: Any, max_model_len: int) -> Policy | No
     else:
         raise ConfigError(f"kv_policy must be a policy string (e.g. 'sinks:4:60') or a Policy, got {spec!r}")
     if not isinstance(policy, ENGINE_POLICIES):
-        raise ConfigError(f"kv_policy {policy} cannot run in the paged engine: it keeps rows by attention "
-                          "scores, which the engine's batched attention does not observe; use window:W, "
-                          "sinks:S:W or shift:KEEP[:BUDGET] (or kvlab generate --cache-policy)")
+        raise ConfigError(f"kv_policy {policy} cannot run in the paged engine: it must keep a text prefix plus "
+                          "a tail, as window:W, sinks:S:W and shift:KEEP[:BUDGET] do (kvlab/engine/kv_bounds.py)")
     if policy.budget > max_model_len:
         raise ConfigError(f"kv_policy {policy} holds {policy.budget} tokens but max_model_len is "
                           f"{max_model_len}")

@@ -10,8 +10,6 @@ tables) is built once, when the Attention is made for one forward.
     [B, H_kv, T, d], all at the same positions; `LlamaModel.forward` makes one per call.
   * `PagedAttention` over a PagedKV pool (BlockPool): each sequence of the batch brings its own tokens,
     positions and block table, and new rows go through the slot mapping; `LlamaModel.forward_batch`.
-  * `ObservedAttention` wraps a gathering ContiguousAttention and shows each layer's queries, keys and
-    mask to an observer (H2O's heavy-hitter scores, kvlab/policies/h2o.py).
 
 Each one either runs compiled kernels on the storage in place (on the compiled backend: float storage,
 kvlab/kernels/attention.py for one query per sequence, kernels/prefill_attention.py for more; int8/int4/
@@ -23,7 +21,7 @@ only the two storage protocols, never a concrete cache class.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -33,10 +31,6 @@ from kvlab.config import ModelConfig
 from kvlab.model.batch import BatchInput
 from kvlab.model.layers import attend, attention_mask
 from kvlab.model.paged_attention import paged_attention
-
-# observer(layer, q [B, H_q, n, d], keys [B, H_kv, T, d] in the compute dtype, mask [n, T] or None)
-Observer = Callable[[int, np.ndarray, np.ndarray, "np.ndarray | None"], None]
-
 
 _WINDOWS: dict[int, tuple[ModelConfig, list[int | None]]] = {}
 
@@ -95,9 +89,6 @@ class ContiguousAttention:
         if not self.in_place:
             for plan in plans.values():
                 plan.ranges = plan.decode = plan.rows = None
-
-    def mask_of(self, layer: int) -> np.ndarray | None:
-        return self.layer_plans[layer].mask
 
     def _heads_first(self, x: np.ndarray) -> np.ndarray:
         """[N, H, d] rows of the flat batch as [B, H, T, d] (a view)."""
@@ -198,25 +189,6 @@ class _DecodeCall:
         self.kernel(q * self.scale, kc, ks, kz, vc, vs, vz, kind, group, self.tables, self.starts, self.ends,
                     self.span, self.threads, self.out, self.zero)
         return self.merged
-
-
-class ObservedAttention:
-    """A gathering ContiguousAttention whose queries, keys and mask an observer sees after each layer.
-
-    Why a wrapper: the observer (H2O) needs the scores' inputs, which only the gathering path has in the
-    compute dtype; the cache itself never knows it is observed.
-    """
-
-    def __init__(self, inner: ContiguousAttention, observer: Observer) -> None:
-        if inner.in_place:
-            raise ValueError("an observed attention must gather (build it with compiled=False)")
-        self.inner, self.observer = inner, observer
-
-    def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-        q4, keys, values = self.inner.gather(layer, q, k, v)
-        out = self.inner.attend(layer, q4, keys, values)
-        self.observer(layer, q4, keys, self.inner.mask_of(layer))
-        return out
 
 
 class PagedAttention:

@@ -39,7 +39,7 @@ from kvlab.config import ModelConfig, tiny_config
 from kvlab.errors import ContextLengthError, InputError
 from kvlab.kernels import resolve_backend
 from kvlab.model.act_quant import check_activations
-from kvlab.model.attention import Attention, ContiguousAttention, ObservedAttention, Observer, PagedAttention
+from kvlab.model.attention import Attention, ContiguousAttention, PagedAttention
 from kvlab.model.batch import BatchInput
 from kvlab.model.layers import softcap
 from kvlab.model.ops import Rope, make_ops
@@ -307,13 +307,11 @@ class LlamaModel:
         return x
 
     def forward(self, ids: Any, cache: Cache | None = None, use_cache: bool = False,
-                logits_to_keep: int = 0, observer: Observer | None = None) -> ForwardOutput:
+                logits_to_keep: int = 0) -> ForwardOutput:
         """Run the new positions `ids` [B, T_new]; with a cache they continue from it and are appended.
 
         `logits_to_keep=k` returns logits for the last k positions only (0 = all), which spares the LM-head
-        matmul over a long prompt during generation. `observer(layer, q, keys, mask)` is shown every
-        layer's attention inputs (H2O's scores; attention then takes the gathering NumPy path). Everything
-        is validated before the cache is touched.
+        matmul over a long prompt during generation. Everything is validated before the cache is touched.
         """
         config = self.config
         ids = validate_ids(ids, config.vocab_size)
@@ -334,11 +332,8 @@ class LlamaModel:
 
         # B contiguous rows, the same positions in each: a flat batch of B * T tokens, row-major
         positions = np.arange(start, end)
-        attention: Attention = ContiguousAttention(cache, positions, batch, config,
-                                                   self.ops.compiled and observer is None, self.dtype,
+        attention: Attention = ContiguousAttention(cache, positions, batch, config, self.ops.compiled, self.dtype,
                                                    self.ops.batch_invariant)
-        if observer is not None:
-            attention = ObservedAttention(attention, observer)
         flat_positions = slice(start, end) if batch == 1 else np.tile(positions, batch)
         x = self.run_layers(ids.reshape(-1), flat_positions, attention).reshape(batch, num_new, -1)
         if logits_to_keep:

@@ -24,13 +24,6 @@ class Policy:
         """Most new rows one forward may write (the rows a policy protects must still fit beside them)."""
         return self.budget
 
-    # observe(layer, q, keys, mask), if a policy needs to see attention (H2O): `forward_with_policy` passes
-    # it to `LlamaModel.forward(observer=...)`, which wraps the forward's attention in an ObservedAttention.
-    observe = None
-
-    def start(self, cache) -> None:
-        """Called once with the cache a run begins with (H2O resets its scores to the cached rows here)."""
-
     def keep(self, length: int, num_new: int) -> np.ndarray:
         """Ascending indices of the cached rows to keep so that kept + num_new <= budget.
 
