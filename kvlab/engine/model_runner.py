@@ -152,8 +152,10 @@ class ModelRunner:
         source = np.asarray([view.sink_source], dtype=np.int64)
         slots = slot_mapping(seq.block_table, view.view_start, view.prefix, self.pool.block_size)
         delta = np.full(view.prefix, view.view_start)
-        for keys, values in zip(self.pool.key_cache, self.pool.value_cache):
-            k = rerotate_keys(gather_blocks(keys, source, view.prefix), delta, self.model.inv_freq)
+        for rope, keys, values in zip(self.model.layer_rope, self.pool.key_cache, self.pool.value_cache):
+            k = gather_blocks(keys, source, view.prefix)
+            if rope != "none":  # SmolLM3's NoPE layers: keys carry no position, moved as they are
+                k = rerotate_keys(k, delta, self.model.inv_freq)
             v = gather_blocks(values, source, view.prefix)
             write_slots(keys, values, slots, k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2))
 
