@@ -3,9 +3,10 @@
 A random model of SmolLM2-135M's shape (float32, context 8192) runs one conversation of `--tokens`
 tokens (a prompt plus `--new` greedy tokens) through the paged engine with a cache policy, in a pool of
 `--pool-tokens` tokens. Measured: the most blocks the sequence and the pool held (against the bound and
-the pool), the engine's wall time, and, replaying the engine's chunk schedule on a contiguous KVCache
-under the same policy (make_room + forward, kvlab/policies/apply.py), the largest logit difference and
-whether every greedy token equals the contiguous policy's argmax. The plain engine refuses the same
+the pool), the engine's wall time, and, replaying the engine's chunk schedule on the contiguous reference
+cache under the same policy done by hand (PolicyCache, kvlab/verify/policy_reference.py: kept keys moved to
+positions 0..k-1 and re-rotated, the engine's convention being text positions), the largest logit
+difference and whether every greedy token equals the reference's argmax. The plain engine refuses the same
 conversation (it outgrows the context and the pool). Timings on a shared machine are noisy: compare the
 two times of one run, not runs.
 
@@ -32,7 +33,8 @@ from kvlab.config import ModelConfig  # noqa: E402
 from kvlab.engine.kv_bounds import held_blocks  # noqa: E402
 from kvlab.errors import KVLabError  # noqa: E402
 from kvlab.model.llama import LlamaModel  # noqa: E402
-from kvlab.policies import make_room, parse_policy  # noqa: E402
+from kvlab.policies import parse_policy  # noqa: E402
+from kvlab.verify.policy_reference import PolicyCache  # noqa: E402
 
 from shapes import SMOLLM2_135M  # noqa: E402 (bench/shapes.py)
 
@@ -82,14 +84,13 @@ def run_engine(model, policy: str, prompt: list[int], args) -> dict:
 
 
 def replay_contiguous(model, policy_text: str, result: dict) -> dict:
-    """The engine's chunks on a contiguous KVCache under the same policy: max |logit diff|, tokens equal."""
+    """The engine's chunks under the same policy by hand: max |logit diff|, tokens equal."""
     policy = parse_policy(policy_text, model.config.max_position_embeddings)
-    cache = model.new_cache(1, capacity=policy.budget)
+    cache = PolicyCache(model, policy)
     tokens, worst, scale, agree, total = result["tokens"], 0.0, 0.0, 0, 0
     begin = time.perf_counter()
     for start, n, engine_logits in result["chunks"]:
-        make_room(model, cache, policy, n)
-        logits = model.forward(np.asarray([tokens[start:start + n]]), cache=cache, logits_to_keep=1).logits[0, -1]
+        logits = cache.feed(tokens[start:start + n], chunk=n, logits_to_keep=1)[-1]
         if engine_logits is not None:
             worst = max(worst, float(np.abs(engine_logits - logits).max()))
             scale = max(scale, float(np.abs(logits).max()))

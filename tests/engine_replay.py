@@ -1,13 +1,13 @@
-"""Record what a paged engine computed, chunk by chunk, and replay it on a contiguous KVCache under the same
-cache policy (`make_room` + `forward`, kvlab/policies/apply.py): the engine with a policy must give the
-logits the contiguous policy gives for the same chunks."""
+"""Record what a paged engine computed, chunk by chunk, and replay it on the contiguous reference cache under
+the same cache policy (PolicyCache, kvlab/verify/policy_reference.py): the engine with a policy must give
+the logits the policy done by hand gives for the same chunks."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from kvlab.engine.kv_bounds import held_blocks
-from kvlab.policies import make_room
+from kvlab.verify.policy_reference import PolicyCache
 
 
 class Recorder:
@@ -45,13 +45,12 @@ def replay(model, policy, chunks, token_ids) -> list[tuple[np.ndarray, np.ndarra
     pairs, cache, end = [], None, None
     for start, ids, engine_logits in chunks:
         if cache is None or start != end:
-            cache = model.new_cache(1)
+            cache = PolicyCache(model, policy)
             for piece in range(0, start, policy.max_chunk):
                 part = token_ids[piece:min(piece + policy.max_chunk, start)]
-                assert make_room(model, cache, policy, len(part)) == 0  # a hit is below the budget
-                model.forward(np.asarray([part]), cache=cache)
-        make_room(model, cache, policy, len(ids))
-        logits = model.forward(np.asarray([ids]), cache=cache).logits[0, -1]
+                cache.feed(part)
+                assert cache.evicted == 0  # a hit is below the budget
+        logits = cache.feed(ids)[-1]
         end = start + len(ids)
         if engine_logits is not None:
             pairs.append((engine_logits, logits))

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 
-SCHEDULES = ("decode", "chunks", "batch", "fork", "crop", "paged", "engine", "speculative", "speculative-draft")
+SCHEDULES = ("decode", "chunks", "batch", "fork", "crop", "paged", "engine", "speculative", "speculative-draft",
+             "policy")
 
 
 def kvlab(*args, check=True):

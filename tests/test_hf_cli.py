@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import kvlab
-from kvlab.cli.generate import TextStream, generate_tokens
+from kvlab.cli.generate import TextStream
+from kvlab.generation.generate import stream_generate
 from test_hf_loader import CONFIG, TEXT, write_folder
 
 
@@ -60,9 +61,9 @@ def test_sampling_flags_and_kv_cache_dtype(folder):
     first = kvlab_generate(*args, "--seed", "3", "--kv-cache-dtype", "bf16")
     model, tokenizer = kvlab.load(folder)
     prompt = tokenizer.encode("winter")
-    want = []  # the same request through the library: every flag must reach the sampler and the cache
-    generate_tokens(model, prompt, want.append, cache=model.new_cache(kv_dtype="bfloat16"), max_tokens=10,
-                    temperature=0.9, top_p=0.9, top_k=50, min_p=0.01, seed=3)
+    # the same request through the library: every flag must reach the sampler and the cache
+    want = kvlab.generate(model, [prompt], 10, kv_dtype="bfloat16", temperature=0.9, top_p=0.9, top_k=50,
+                          min_p=0.01, seed=3)[0].tolist()
     assert first.stdout == "winter" + tokenizer.decode(want) + "\n"
     assert kvlab_generate(*args, "--seed", "3", "--kv-cache-dtype", "bf16").stdout == first.stdout  # seeded
     tokens, kib, dtype = STATS_CACHE.search(first.stderr).groups()
@@ -85,10 +86,9 @@ def test_stops_at_eos(tmp_path):
     (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<s>"}))
     model, tokenizer = kvlab.load(tmp_path / "m")
     assert 0 in tokenizer.eos_token_ids
-    tokens = []
-    _, reason = generate_tokens(model, tokenizer.encode("winter"), tokens.append, cache=model.new_cache(),
-                                max_tokens=20, stop_token_ids=tokenizer.eos_token_ids)
-    assert tokens == [0] and reason == "eos"
+    loop = stream_generate(model, [tokenizer.encode("winter")], 20, stop_token_ids=tokenizer.eos_token_ids)
+    tokens = [int(step[0]) for step in loop]
+    assert tokens == [0] and loop.reason.value == "eos"
     out = kvlab_generate("--model", str(tmp_path / "m"), "winter", "-n", "20", "--temperature", "0")
     assert out.stdout == "winter\n" and "decode 1 tokens" in out.stderr and "stop: eos" in out.stderr
     out = kvlab_generate("--model", str(tmp_path / "m"), "winter", "-n", "5", "--temperature", "0",
@@ -114,24 +114,6 @@ def test_streams_whole_characters_as_they_come(folder):
     model.forward([prompt], cache=cache)
     stats = stream.stats(len(prompt), len(prompt), cache.get_seq_length(), 0, "float32", "max tokens")
     assert stats.new_tokens == len(target) and stats.cache_tokens == len(prompt)
-
-
-def test_prompt_cache_style_reuse_computes_only_the_rest(folder):
-    """generate_tokens on a cache that already holds part of the prompt computes only the remainder."""
-    model, tokenizer = kvlab.load(folder)
-    prompt = tokenizer.encode(TEXT)[:20]
-    cold = []
-    generate_tokens(model, prompt, cold.append, cache=model.new_cache(), max_tokens=6, temperature=0.0)
-    cache = model.new_cache()
-    model.forward([prompt[:12]], cache=cache)
-    warm = []
-    computed, _ = generate_tokens(model, prompt, warm.append, cache=cache, max_tokens=6, temperature=0.0)
-    assert computed == 8 and warm == cold
-    full = model.new_cache()
-    model.forward([prompt], cache=full)  # fully cached: the last prompt token is still computed
-    again = []
-    computed, _ = generate_tokens(model, prompt, again.append, cache=full, max_tokens=6, temperature=0.0)
-    assert computed == 1 and again == cold
 
 
 def test_chat_flag_uses_the_template(tmp_path):

@@ -327,9 +327,9 @@ def test_prompt_longer_than_the_context(folder):
     ids = np.array([(tokenizer.encode(TEXT) * 10)[:65]])
     with pytest.raises(ContextLengthError, match="max_position_embeddings"):
         model.forward(ids)
-    from kvlab.cli.generate import generate_tokens
+    from kvlab.cli.generate import check_prompt
     with pytest.raises(ContextLengthError, match="the prompt is 65 tokens but the model's context is 64"):
-        generate_tokens(model, ids[0], print, cache=model.new_cache(), max_tokens=4)
+        check_prompt(ids[0].tolist(), model.config.max_position_embeddings)
 
 
 def test_tokenizer_files_that_do_not_agree(folder):

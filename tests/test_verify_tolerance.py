@@ -39,7 +39,7 @@ def faulty_model(scale: float, dtype=np.float32) -> kvlab.TinyLlama:
     return Faulty(seed=7, dtype=dtype)
 
 
-PAGED = ("paged", "engine", "speculative", "speculative-draft")  # over the block pool, not KVCache
+PAGED = ("paged", "engine", "speculative", "speculative-draft", "policy")  # over the block pool, not KVCache
 
 
 @pytest.mark.parametrize("relative", [1e-3, 1e-4])

@@ -8,13 +8,16 @@ Sliding layers (`windows`, one per layer, None: full attention; a hybrid model's
 `ModelConfig.layer_window`): on a float contiguous store, a layer of window W gives back its rows before
 the W - 1 that the next query still sees once it holds max(W, MIN_CAPACITY) more, so it holds at most
 about 2W + a chunk rows however long the sequence grows, and `layer_start(i)` says which row is its first.
-Such a cache cannot go back into what it gave back: `crop` there is refused (crop(0) always works), and
-`retain` (cache policies) is refused outright.
+Such a cache cannot go back into what it gave back: `crop` there is refused (crop(0) always works).
+
+This is the reference cache (the seeds' `forward(ids, cache=...)`, `kvlab.generate`, the verifier's plain
+twin): it keeps every row it is given. Cache policies that drop rows run in the engine's block pool
+(kvlab/engine/kv_bounds.py).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -111,16 +114,15 @@ class KVCache:
         """Payload (codes or rows), scale bytes of quantized caches, and the position ids, as metadata."""
         if isinstance(self.store, QuantizedStore):
             payload, scales = self.store.nbytes(self._length)
-            moved = self.store.moved_bytes()
         else:
             rows = sum(self._length - first for first in self._first)  # sliding layers: the rows they keep
             payload = 2 * self.batch_size * self.spec.num_kv_heads * rows * self.spec.head_dim * self.dtype.itemsize
-            scales = moved = 0
+            scales = 0
         return MemoryReport(
             num_layers=len(self), batch_size=self.batch_size, num_tokens=self._length,
             capacity_tokens=self.store.capacity_tokens, dtype=self.dtype.name,
             payload_bytes=payload, capacity_bytes=self.store.capacity_bytes,
-            metadata_bytes=self._positions.nbytes + scales + moved, scale_bytes=scales)
+            metadata_bytes=self._positions.nbytes + scales, scale_bytes=scales)
 
     # --- what the model calls ----------------------------------------------------------------------------
     def check_compatible(self, spec: CacheSpec, batch_size: int) -> None:
@@ -211,49 +213,6 @@ class KVCache:
         if n == 0:
             self._first = [0] * len(self)
         self._length = n
-
-    def retain(self, rows: Sequence[int], positions: Sequence[int] | None = None,
-               rotate_keys: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> None:
-        """Keep only the cached rows `rows` (ascending indices), now at absolute `positions`.
-
-        What eviction policies call (kvlab/policies/). When a row's position changes by delta, its key
-        (stored after RoPE) must be rotated by delta too: `rotate_keys(keys [B, H_kv, n, d], delta [n])`
-        does it, as the model's RoPE is not known down here. Validated before anything changes; every
-        layer's kept rows are computed before the first one is written.
-        """
-        if self.trims:
-            raise InputError("this cache gives back its sliding layers' rows before their window, so each layer "
-                             "holds different rows: a cache policy cannot keep rows of it (build it without "
-                             "windows)")
-        rows = np.asarray(rows)
-        if rows.ndim != 1 or rows.dtype.kind not in "iu" or (rows.size and (
-                rows.min() < 0 or rows.max() >= self._length or np.any(np.diff(rows) <= 0))):
-            raise InputError(f"rows to keep must be ascending distinct indices in [0, {self._length}), "
-                             f"got {rows.tolist() if rows.size < 20 else rows.shape}")
-        old = self._positions[rows]
-        new = old if positions is None else np.asarray(positions)
-        if new.shape != rows.shape or new.dtype.kind not in "iu" or (new.size and new.min() < 0):
-            raise InputError(f"need {rows.size} non-negative int positions for the kept rows")
-        delta = new - old
-        if delta.any() and rotate_keys is None:
-            raise InputError("moving cached keys to new positions needs rotate_keys (keys are stored "
-                             "after RoPE)")
-        if isinstance(self.store, QuantizedStore) and self.store.can_keep_rows:
-            self.store.keep_rows(rows, delta, rotate_keys)  # codes kept as they are: see keep_rows
-            self._positions[: rows.size] = new
-            self._length = int(rows.size)
-            return
-        kept = []
-        for layer in range(len(self)):
-            keys, values = self.store.read(layer, self._length)
-            keys, values = keys[:, :, rows], values[:, :, rows]
-            if delta.any():
-                keys = rotate_keys(keys, delta)
-            kept.append((keys, values))
-        for layer, (keys, values) in enumerate(kept):
-            self.store.write(layer, 0, keys, values)
-        self._positions[: rows.size] = new
-        self._length = int(rows.size)
 
     @classmethod
     def from_arrays(cls, spec: CacheSpec, keys: Sequence[np.ndarray], values: Sequence[np.ndarray],

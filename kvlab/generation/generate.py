@@ -19,8 +19,6 @@ from kvlab.sampling.sampler import Sampler, SamplingParams
 from kvlab.errors import ContextLengthError, InputError
 from kvlab.generation.loop import DecodeLoop
 from kvlab.model.llama import LlamaModel, validate_ids
-from kvlab.policies.apply import check_policy, forward_with_policy
-from kvlab.policies.base import Policy
 
 
 def stream_generate(model: LlamaModel, ids: Any, max_new_tokens: int | None = None, *,
@@ -28,15 +26,15 @@ def stream_generate(model: LlamaModel, ids: Any, max_new_tokens: int | None = No
                     seed: int | None = None, stop_token_ids: Iterable[int] = (),
                     pad_token_id: int | None = None, use_cache: bool = True,
                     cache: KVCache | None = None, kv_dtype: object = None,
-                    policy: Policy | None = None, grammar: Any = None) -> DecodeLoop:
+                    grammar: Any = None) -> DecodeLoop:
     """Yield a [B] array of token ids per step.
 
     `ids` [B, T] is the prompt (with a `cache`, only the positions after it). A row that emits one of
     `stop_token_ids` is finished: later steps give it `pad_token_id` (default: the first stop id) and the
     loop ends when every row is finished or `max_new_tokens` (None = to the end of the context) is reached.
     The last token chosen is not fed back, so the cache ends holding every position but that one.
-    A `policy` (kvlab/policies/: context shift, window, sinks, H2O) evicts rows whenever its budget is
-    full, so generation is no longer bounded by the context: `max_new_tokens` must then be given.
+    This is the plain reference loop; cache policies (window, sinks, context shift) run in the engine
+    (`Engine(model, kv_policy=...)`, `kvlab generate --cache-policy`).
     """
     ids = validate_ids(ids, model.config.vocab_size)
     params = SamplingParams(temperature, top_k, top_p, min_p, seed, grammar=grammar)  # grammar: every row
@@ -60,12 +58,6 @@ def stream_generate(model: LlamaModel, ids: Any, max_new_tokens: int | None = No
     start = cache.get_seq_length() if cache is not None else 0
     context = model.config.max_position_embeddings
     room = context - start - ids.shape[1]
-    if policy is not None:
-        check_policy(model, policy)
-        if max_new_tokens is None or not use_cache:
-            raise InputError("a cache policy needs use_cache=True and an explicit max_new_tokens (it never "
-                             "runs out of context)")
-        room = max_new_tokens  # evictions make room: the context no longer bounds the output
     if max_new_tokens is None:
         max_new_tokens = room + 1  # the last chosen token needs no position of its own
     max_new_tokens = validate.int_in_range(max_new_tokens, "max_new_tokens", 0)
@@ -77,28 +69,23 @@ def stream_generate(model: LlamaModel, ids: Any, max_new_tokens: int | None = No
         return DecodeLoop(lambda tokens: np.zeros(0), Sampler(params), 0, stop, pad=pad)
     if use_cache and cache is None:
         capacity = start + ids.shape[1] + max_new_tokens
-        if policy is None and model.config.hybrid:  # its own cache: sliding layers keep only their window
+        if model.config.hybrid:  # its own cache: sliding layers keep only their window
             cache = new_cache(model.cache_spec, ids.shape[0], kv_dtype, capacity,
                               windows=[model.config.layer_window(i) for i in range(model.config.num_hidden_layers)])
         else:
-            cache = model.new_cache(ids.shape[0], kv_dtype,
-                                    capacity if policy is None else min(capacity, policy.budget))
-    if policy is not None:
-        policy.start(cache)
+            cache = model.new_cache(ids.shape[0], kv_dtype, capacity)
     # Everything above runs at call time, so bad arguments raise here, not at the first next().
-    return DecodeLoop(_step(model, ids, use_cache, cache, policy), Sampler(params), int(max_new_tokens), stop,
-                      pad=pad, room=None if policy is not None else room + 1)
+    return DecodeLoop(_step(model, ids, use_cache, cache), Sampler(params), int(max_new_tokens), stop,
+                      pad=pad, room=room + 1)
 
 
-def _step(model: LlamaModel, ids: np.ndarray, use_cache: bool, cache: KVCache | None,
-          policy: Policy | None) -> Callable[[np.ndarray | None], np.ndarray]:
+def _step(model: LlamaModel, ids: np.ndarray, use_cache: bool,
+          cache: KVCache | None) -> Callable[[np.ndarray | None], np.ndarray]:
     """The loop's step: the prompt (tokens None) or one new token per row, to the last position's logits."""
     sequence = [ids]
 
     def step(tokens: np.ndarray | None) -> np.ndarray:
         step_input = ids if tokens is None else tokens
-        if policy is not None:
-            return forward_with_policy(model, step_input, cache, policy, logits_to_keep=1)[:, -1]
         if use_cache:
             return model.forward(step_input, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         if tokens is not None:

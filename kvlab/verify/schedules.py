@@ -10,7 +10,10 @@ over prompts that repeat a motif, "speculative-draft" with the model guessing fo
 proposal's last guess spoiled, so most verifications keep some guesses and reject the rest; both in a tight
 pool with chunked prefill and a warm prefix cache. Every emitted token's logprob comes from a verified row
 (a one-token query among k + 1) and must equal the full recompute's; a schedule in which no guess was kept
-and none rejected proved nothing and reports an infinite error.
+and none rejected proved nothing and reports an infinite error. "policy" runs the engine under cache
+policies (sinks, context shift) and compares every prompt position's logits (Engine.score) with the
+policy done by hand on the contiguous reference cache (kvlab/verify/policy_reference.py): a policy has no
+full recompute, but it has a plain one.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from kvlab.engine.engine import Engine
 from kvlab.model.batch import BatchInput
 from kvlab.sampling.sampler import SamplingParams, log_probs
 from kvlab.model.llama import LlamaModel
+from kvlab.policies.shift import ContextShift
+from kvlab.policies.sinks import AttentionSinks
+from kvlab.verify.policy_reference import PolicyCache
 
 
 def paged_logits(model: LlamaModel, prompts: Sequence[Sequence[int]], chunks: Sequence[Sequence[int]],
@@ -127,6 +133,30 @@ def engine_schedules(model: LlamaModel, rng: np.random.Generator,
         stats = eng.stats()
         return error, scale, stats["spec_decode_num_accepted_tokens"], stats["spec_decode_num_draft_tokens"]
 
+    def policy() -> tuple[float, float]:
+        """The engine under sinks (its prefix rows re-rotated into private blocks) and a context shift, a
+        prompt twice their budget in random chunks, against the policy done by hand (PolicyCache), which
+        itself equals a full recompute up to its first eviction."""
+        error = scale = 0.0
+        for kv_policy in (AttentionSinks(2, max(3, length // 3)), ContextShift(1, max(4, length // 2))):
+            prompt = rng.integers(0, vocab, 2 * kv_policy.budget + 3).tolist()
+            chunk = int(rng.integers(1, min(5, kv_policy.max_chunk) + 1))
+            bound = -(-kv_policy.budget // 4) + 2
+            eng = Engine(model, block_size=4, num_blocks=2 * bound + 2, max_num_batched_tokens=chunk,
+                         kv_policy=kv_policy, enable_prefix_caching=False)
+            got = np.stack(eng.score(prompt).logits)
+            want = PolicyCache(model, kv_policy).feed(prompt, chunk)
+            # the rows computed before the first eviction (every chunk ending within the budget) are plain
+            # cached rows: the reference must equal a full recompute there (a model that is not causal fails)
+            clean = kv_policy.budget // chunk * chunk
+            full = model.forward(np.array([prompt[:clean]])).logits[0]
+            error = max(error, float(np.abs(got - want).max()), float(np.abs(want[:clean] - full).max()))
+            scale = max(scale, float(np.abs(want).max()))
+        return error, scale
+
+    # the engine runs no cache policy on a model that bounds its own attention (sliding-window layers)
+    policies = [] if model.config.sliding_window or model.config.hybrid else [
+        ("policy", "Engine under sinks, then a context shift (random chunks) vs the policy by hand", policy)]
     return [
         ("paged", "3 sequences batched in one paged forward per step, random chunks", paged),
         ("engine", "Engine: shared prefix, warm prefix cache, tight pool (preempts), 5-token chunks", engine),
@@ -134,6 +164,7 @@ def engine_schedules(model: LlamaModel, rng: np.random.Generator,
          lambda: engine("ngram")),
         ("speculative-draft", "Engine + the model as its own draft (k=3, last guess spoiled): kept and "
                               "rejected guesses, tight pool", lambda: engine("draft")),
+        *policies,
     ]
 
 
