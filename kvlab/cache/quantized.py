@@ -12,15 +12,15 @@ stored rows (after a crop) simply overwrites token-grouped rows; for channel-gro
 block it falls in: the block's earlier rows return to the full-precision tail as their dequantized values
 and are quantized again, with fresh scales, when the block refills.
 
-Eviction policies move kept rows to new positions (kvlab/policies/apply.py). Token-grouped stores move
-codes and scales as they are and remember how far each key moved; `read` applies that RoPE rotation after
-dequantizing (`keep_rows`), so a key is rounded once in its life however often it moves. This is the one
-place a cached key is rotated at read time rather than stored rotated (ARCHITECTURE.md invariant 1): storing it
-again would round it again at every eviction.
+Token-grouped rows are kept by QuantizedBlocks, the block pool's storage (kvlab/cache/paged.py): a
+contiguous cache of B sequences is a pool of B blocks, one per batch row, as long as its capacity. So the
+codes, their layout, the writer and the decode kernels that read them in place are one implementation for
+both runtimes.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np
@@ -44,82 +44,48 @@ def _codes_writer() -> Callable[[StoredCodes, np.ndarray, np.ndarray, np.ndarray
 
 
 class _TokenCodes:
-    """One tensor [B, H, T, d] stored per token: codes plus (int formats) a scale and zero per group."""
+    """One tensor [B, H, T, d] stored per token: a QuantizedBlocks pool whose block b is batch row b, one
+    block of `capacity` tokens each. The codec, the compiled writer and the codes' layout are the block
+    pool's; what is contiguous is only growing and reading a prefix of every row."""
 
     def __init__(self, fmt: QuantFormat, shape: tuple[int, int, int], dtype: np.dtype, capacity: int) -> None:
-        self.fmt, self.shape, self.dtype = fmt, shape, dtype
+        self.fmt, self.shape, self.dtype = replace(fmt, key_grouping="token"), shape, dtype
         batch, heads, dim = shape
-        self.group = fmt.group(dim)
-        self.codes_dim = dim // 2 if fmt.bits == 4 else dim
-        self.codes_dtype = FP8_DTYPES[fmt.name] if fmt.is_float else np.dtype(np.uint8)
-        self.codes = np.zeros((batch, heads, capacity, self.codes_dim), self.codes_dtype)
-        groups = 0 if fmt.is_float else dim // self.group
-        self.scale = np.zeros((batch, heads, capacity, groups), SCALE_DTYPE)
-        self.zero = np.zeros((batch, heads, capacity, groups), SCALE_DTYPE)
-        # Positions each row has moved since it was quantized, and the RoPE rotation to apply for it
-        # when the row is read (see keep_rows): keys only, and only after an eviction policy moved them.
-        self.moved = np.zeros(capacity, np.int32)
-        self.rotate: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None
-        self.writer = _codes_writer()
+        self.blocks = QuantizedBlocks(self.fmt, batch, heads, capacity, dim, dtype)
+        self.batch_rows = np.arange(batch)
 
     @property
     def capacity(self) -> int:
-        return self.codes.shape[2]
+        return self.blocks.shape[2]
 
     def stored(self) -> StoredCodes:
         """The codes and scales as the decode kernels read them in place (a batch row is a block)."""
-        return StoredCodes(self.codes, self.scale, self.zero, kind_of(self.fmt.name), self.group)
+        return self.blocks.stored()
 
     def arrays(self) -> tuple[np.ndarray, ...]:
-        return self.codes, self.scale, self.zero
+        return self.blocks.codes, self.blocks.scale, self.blocks.zero
 
     def grow(self, capacity: int) -> None:
-        old = self.capacity
-        moved = np.zeros(capacity, np.int32)
-        moved[:old] = self.moved
-        self.moved = moved
-        for name in ("codes", "scale", "zero"):
-            array = getattr(self, name)
-            grown = np.zeros(array.shape[:2] + (capacity,) + array.shape[3:], array.dtype)
-            grown[:, :, :old] = array
-            setattr(self, name, grown)
+        self.blocks = self._copy_into(self.capacity, capacity).blocks
 
-    def write(self, start: int, x: np.ndarray) -> None:
-        end = start + x.shape[2]
-        self.moved[start:end] = 0
-        if self.writer is not None:  # rows of batch row b at positions start.. are rows of "block" b
-            batch, _, num, _ = x.shape
-            self.writer(self.stored(), np.repeat(np.arange(batch), num), np.tile(np.arange(start, end), batch),
-                        x.transpose(0, 2, 1, 3).reshape(batch * num, *x.shape[1:2], x.shape[3]))
-            return
-        codes, scale, zero = encode_rows(x, self.fmt, self.group)
-        self.codes[:, :, start:end] = codes
-        if scale is not None:
-            self.scale[:, :, start:end], self.zero[:, :, start:end] = scale, zero
-
-    def read(self, length: int) -> np.ndarray:
-        out = decode_rows(self.codes[:, :, :length], self.scale[:, :, :length], self.zero[:, :, :length],
-                          self.fmt, self.group, self.dtype)
-        moved = self.moved[:length]
-        return self.rotate(out, moved) if self.rotate is not None and moved.any() else out
-
-    def keep_rows(self, rows: np.ndarray, delta: np.ndarray | None = None,
-                  rotate: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> None:
-        """Move rows `rows` to 0..n-1 as they are (codes and scales, no re-rounding); `delta` adds to each
-        row's pending rotation, which `read` applies with `rotate` after dequantizing."""
-        n = rows.size
-        for array in self.arrays():
-            array[:, :, :n] = array[:, :, rows]
-        self.moved[:n] = self.moved[rows] + (0 if delta is None else delta)
-        if rotate is not None:
-            self.rotate = rotate
-
-    def copy(self, length: int, capacity: int) -> "_TokenCodes":
+    def _copy_into(self, length: int, capacity: int) -> "_TokenCodes":
         clone = _TokenCodes(self.fmt, self.shape, self.dtype, capacity)
         for mine, theirs in zip(self.arrays(), clone.arrays()):
             theirs[:, :, :length] = mine[:, :, :length]
-        clone.moved[:length], clone.rotate = self.moved[:length], self.rotate
         return clone
+
+    def write(self, start: int, x: np.ndarray) -> None:
+        """Rows x [B, H, n, d] at positions start.. of every batch row (block)."""
+        batch, heads, num, dim = x.shape
+        self.blocks.write(np.repeat(self.batch_rows, num), np.tile(np.arange(start, start + num), batch),
+                          x.transpose(0, 2, 1, 3).reshape(batch * num, heads, dim))
+
+    def read(self, length: int) -> np.ndarray:
+        codes, scale, zero = (a[:, :, :length] for a in self.arrays())
+        return decode_rows(codes, scale, zero, self.fmt, self.blocks.group, self.dtype)
+
+    def copy(self, length: int, capacity: int) -> "_TokenCodes":
+        return self._copy_into(length, capacity)
 
     def nbytes(self, length: int) -> tuple[int, int]:
         """(payload, scale) bytes of the first `length` rows."""
@@ -143,6 +109,9 @@ class _ChannelCodes:
     @property
     def capacity(self) -> int:
         return self.codes.shape[2]
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return self.codes, self.scale, self.zero, self.tail
 
     def grow(self, capacity: int) -> None:
         capacity = -(-capacity // self.block) * self.block
@@ -226,11 +195,7 @@ class QuantizedStore:
 
     @property
     def capacity_bytes(self) -> int:
-        total = 0
-        for k, v in zip(self._keys, self._values):
-            total += sum(a.nbytes for a in v.arrays()) + k.codes.nbytes + k.scale.nbytes + k.zero.nbytes
-            total += getattr(k, "tail", np.zeros(0)).nbytes
-        return total
+        return sum(a.nbytes for codes in (*self._keys, *self._values) for a in codes.arrays())
 
     def reserve(self, num_tokens: int) -> None:
         capacity = self.capacity_tokens
@@ -249,9 +214,8 @@ class QuantizedStore:
 
     @property
     def in_place(self) -> bool:
-        """Whether the decode kernels may read the codes where they lie (`storage`): keys grouped per
-        token, none waiting for a rotation (keep_rows; every layer moves alike, so layer 0 tells)."""
-        return self.can_keep_rows and not (self._keys and self._keys[0].moved.any())
+        """Whether the decode kernels may read the codes where they lie (`storage`): keys grouped per token."""
+        return all(isinstance(k, _TokenCodes) for k in self._keys)
 
     def storage(self, layer: int) -> tuple[StoredCodes, StoredCodes]:
         """The layer's codes and scales [B, H_kv, capacity, ..] for the kernels (only when `in_place`)."""
@@ -263,28 +227,6 @@ class QuantizedStore:
         clone._keys = [k.copy(length, capacity) for k in self._keys]
         clone._values = [v.copy(length, capacity) for v in self._values]
         return clone
-
-    @property
-    def can_keep_rows(self) -> bool:
-        """Whether `keep_rows` works: token-grouped keys (per-channel blocks cannot be cut row by row)."""
-        return all(isinstance(k, _TokenCodes) for k in self._keys)
-
-    def keep_rows(self, rows: np.ndarray, delta: np.ndarray,
-                  rotate_keys: Callable[[np.ndarray, np.ndarray], np.ndarray] | None) -> None:
-        """Keep rows `rows` at 0..n-1 without re-quantizing: keys moved by `delta` are rotated on read.
-
-        Why not rotate and store again, as the float cache does: every eviction would round each kept key
-        once more, and a window policy evicts at every step (int4 + sinks:4:60 measured +23 % perplexity
-        that way, against +0.7 % for the float cache). Reads dequantize into a fresh array anyway, so the
-        rotation costs one pass over it, only while some row has moved.
-        """
-        for keys, values in zip(self._keys, self._values):
-            keys.keep_rows(rows, delta, rotate_keys)
-            values.keep_rows(rows)
-
-    def moved_bytes(self) -> int:
-        """Bytes of the per-row pending rotations (position metadata, like the cache's position ids)."""
-        return sum(k.moved.nbytes for k in self._keys if isinstance(k, _TokenCodes))
 
     def nbytes(self, length: int) -> tuple[int, int]:
         """(payload, scale) bytes of the first `length` positions of every layer."""
