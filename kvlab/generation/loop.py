@@ -1,10 +1,10 @@
 """The decode loop: prefill, then decode one token per step, until a stop reason from one enum.
 
 Every generating path of kvlab runs this loop or its stop rule: `generate`/`stream_generate` (a batch over a
-KVCache), `Session.stream` (tokens fed back as they are chosen), the CLI's `generate_tokens`, the prompt
-cache, and the engine's per-sequence stop checks (`stop_reason`). Why one: the rules (a stop token ends a
-row and is kept; the token limit counts new tokens; the end of the context is its own reason) were written
-four times and drifted; now a fix lands everywhere.
+KVCache), `Session.stream` (tokens fed back as they are chosen), the prompt cache, and the engine's
+per-sequence stop checks (`stop_reason`). Why one: the rules (a stop token ends a row and is kept; the token
+limit counts new tokens; the end of the context is its own reason) were written four times and drifted; now
+a fix lands everywhere.
 """
 
 from __future__ import annotations
