@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from kvlab.errors import ConfigError
+from kvlab.prefix.token_prefix import common_prefix_length
 
 
 def same_tokenizer(target: Any, draft: Any) -> str | None:
@@ -44,7 +45,7 @@ class DraftProposer:
     def propose(self, seq: Any, count: int) -> list[int]:
         cache, fed = self._state.get(seq, (None, []))
         ids = seq.token_ids
-        common = _common_prefix(fed, ids)
+        common = common_prefix_length(fed, ids)
         if common == len(ids):  # all fed already (the last step did not verify: not scheduled, guesses
             common -= 1         # trimmed by the budget): feed the last token again for its logits
         if cache is None or common == 0:
@@ -69,19 +70,12 @@ class DraftProposer:
         cache, fed = self._state.get(seq, (None, []))
         if cache is None:
             return
-        common = _common_prefix(fed, seq.token_ids)
+        common = common_prefix_length(fed, seq.token_ids)
         if common == 0:
             del self._state[seq]
         elif common < len(fed):
             cache.crop(common)
             del fed[common:]
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    return int(np.argmin(np.asarray(a[:n]) == np.asarray(b[:n])))
 
 
 def load_draft(path: str, target: Any, tokenizer: Any) -> DraftProposer:

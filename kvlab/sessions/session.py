@@ -29,7 +29,7 @@ from kvlab.sampling.sampler import Sampler, SamplingParams
 from kvlab.errors import CheckpointError, ContextLengthError, InputError
 from kvlab.generation.loop import DecodeLoop
 from kvlab.model.llama import LlamaModel
-from kvlab.sessions.match import common_prefix_length
+from kvlab.prefix.token_prefix import common_prefix_length
 from kvlab.sessions.persist import read_session_file, write_session_file
 
 

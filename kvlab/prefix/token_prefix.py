@@ -2,7 +2,8 @@
 
 A cached K/V row for token i was computed from tokens 0..i, so it is valid for a new sequence exactly when
 every one of those tokens is unchanged. The first differing position ends reuse, even if later token ids
-happen to match again (the seed's "edited early" row).
+happen to match again (the seed's "edited early" row). Sessions (kvlab/sessions) and the draft model's
+cache (kvlab/engine/draft.py) both ask it.
 """
 
 from __future__ import annotations
