@@ -8,8 +8,9 @@ from kvlab import Engine, InputError, SamplingParams, TinyLlama, apply_rope, gen
 from kvlab.cache.kv_cache import KVCache
 from kvlab.cache.paged import gather_blocks
 from kvlab.errors import ConfigError
-from kvlab.policies import (AttentionSinks, ContextShift, SlidingWindow, parse_cache_choice, parse_policy,
-                            rerotate_keys)
+from kvlab.model.layers import rotate_halves
+from kvlab.policies import AttentionSinks, ContextShift, SlidingWindow, parse_cache_choice, parse_policy
+from kvlab.policies.shift import rotate_keys
 from kvlab.verify.policy_reference import PolicyCache, greedy_tokens
 
 
@@ -43,18 +44,32 @@ def test_sinks_window_and_shift_choose_the_documented_rows():
 
 
 # --- positions: re-rotation ------------------------------------------------------------------------------
+# LongRoPE (Phi-3/4): past the pretraining length (16 here) positions rotate with the long factors, times
+# the attention factor; a moved key must turn by its new position's angles minus its old ones
+LONGROPE = dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.7],
+                              "long_factor": [1.5, 2.0, 3.0, 4.0], "original_max_position_embeddings": 16,
+                              "attention_factor": 1.2})
+
+
+@pytest.mark.parametrize("rope", [{}, LONGROPE], ids=["rope", "longrope"])
 @pytest.mark.parametrize("dtype,tol", [(np.float32, 1e-5), (np.float64, 1e-12)])
-def test_rerotated_keys_equal_keys_computed_at_the_new_positions(dtype, tol):
+def test_rotated_keys_equal_keys_computed_at_the_new_positions(dtype, tol, rope):
     rng = np.random.default_rng(0)
-    model = model64(dtype)
+    model = TinyLlama(seed=11, dtype=dtype, max_position_embeddings=64, **rope)
     raw = rng.standard_normal((1, 2, 30, 8)).astype(dtype)
     old = rng.integers(0, 64, 30)
     new = rng.integers(0, 64, 30)
-    stored = apply_rope(raw, old, inv_freq=model.inv_freq)
-    moved = rerotate_keys(stored, new - old, model.inv_freq)
-    fresh = apply_rope(raw, new, inv_freq=model.inv_freq)
+
+    def at(positions):  # the model's own rotation (its RoPE tables: long factors, attention factor)
+        cos, sin = model.rope(positions)
+        return rotate_halves(raw, cos, sin)
+
+    moved = rotate_keys(at(old), model.rope_tables.angles(new) - model.rope_tables.angles(old))
+    fresh = at(new)
     assert moved.dtype == dtype
     assert np.abs(moved - fresh).max() <= tol * np.abs(fresh).max()
+    if not rope:  # a plain model's rotation is the seeds' apply_rope
+        assert np.abs(fresh - apply_rope(raw, new, inv_freq=model.inv_freq)).max() <= tol * np.abs(fresh).max()
 
 
 def key_at(model, token: int, position: int) -> np.ndarray:
@@ -70,12 +85,13 @@ def key_at(model, token: int, position: int) -> np.ndarray:
 @pytest.mark.parametrize("dtype,tol", [(np.float32, 1e-5), (np.float64, 1e-12)])
 @pytest.mark.parametrize("kv_dtype", [None, "float16", "int8", "int4"])
 @pytest.mark.parametrize("make_policy", [lambda: ContextShift(3, 20), lambda: AttentionSinks(2, 14)])
-def test_after_many_evictions_every_visible_key_is_its_token_rotated_once(dtype, tol, kv_dtype, make_policy):
+@pytest.mark.parametrize("rope", [{}, LONGROPE], ids=["rope", "longrope"])
+def test_after_many_evictions_every_visible_key_is_its_token_rotated_once(dtype, tol, kv_dtype, make_policy, rope):
     """llama.cpp #5652 / #4097: after many shifts every kept key must still be a pure rotation. The engine
     keeps the tail where it was computed and writes the prefix rows, rotated from the originals, right before
     it at every step: after ~130 evictions each visible key of layer 0 is its token's key at its place,
     with at most two roundings (the original's, and the rotated copy's), never one per eviction."""
-    model = TinyLlama(seed=11, dtype=dtype, max_position_embeddings=256)  # room for key_at's text positions
+    model = TinyLlama(seed=11, dtype=dtype, max_position_embeddings=256, **rope)  # room for key_at's positions
     stream = np.random.default_rng(1).integers(0, 256, 150).tolist()
     policy = make_policy()
     engine = Engine(model, block_size=4, num_blocks=16, max_num_batched_tokens=1, kv_policy=policy,

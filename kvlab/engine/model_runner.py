@@ -5,7 +5,8 @@ model reads (token ids, absolute positions, per-sequence query and context lengt
 mapping new K/V rows are written through, and which rows' logits to return), writes a cache policy's
 re-rotated sink rows (`write_sinks`), runs the forward over the pool's K/V, and only then advances each
 sequence's num_computed_tokens and registers its newly full blocks in the prefix cache: a block is
-findable only once every layer has written it. On a hybrid model each KV-cache group
+findable only once every layer has written it. A scoring request's rows (Engine.score) all get logits,
+kept on its request beside the sampled rows. On a hybrid model each KV-cache group
 (kvlab/engine/kv_groups.py) brings its own block tables and slot mapping, and the model reads each layer's
 K/V from its group's pool (GroupedKV).
 """
@@ -23,7 +24,7 @@ from kvlab.engine.kv_groups import CacheGroup, GroupedKV
 from kvlab.engine.request import Sequence
 from kvlab.model.batch import BatchInput
 from kvlab.model.llama import LlamaModel
-from kvlab.policies.shift import rerotate_keys
+from kvlab.policies.shift import rotate_keys
 from kvlab.prefix.prefix_cache import PrefixCache
 
 
@@ -151,11 +152,12 @@ class ModelRunner:
             return
         source = np.asarray([view.sink_source], dtype=np.int64)
         slots = slot_mapping(seq.block_table, view.view_start, view.prefix, self.pool.block_size)
-        delta = np.full(view.prefix, view.view_start)
+        rows = np.arange(view.prefix)
+        angles = self.model.rope_tables.angles(rows + view.view_start) - self.model.rope_tables.angles(rows)
         for rope, keys, values in zip(self.model.layer_rope, self.pool.key_cache, self.pool.value_cache):
             k = gather_blocks(keys, source, view.prefix)
             if rope != "none":  # SmolLM3's NoPE layers: keys carry no position, moved as they are
-                k = rerotate_keys(k, delta, self.model.inv_freq)
+                k = rotate_keys(k, angles)
             v = gather_blocks(values, source, view.prefix)
             write_slots(keys, values, slots, k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2))
 

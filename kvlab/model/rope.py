@@ -54,6 +54,19 @@ class RopeTables:
                     scaling["original_max_position_embeddings"], scaling["attention_factor"])
         return rope_inv_freq(dim, c.rope_theta, scaling, self.dtype), None, 0, 1.0
 
+    def angles(self, positions: np.ndarray) -> np.ndarray:
+        """Each position's rotation angle per channel pair, [N, d/2] in float64 (kind "global"; 0 for the
+        passing channels of a partial rotary). Moving a cached key from position p to q rotates it by
+        angles(q) - angles(p) (a cache policy's sink rows): under LongRoPE the frequencies change at the
+        pretraining length, so that is not (q - p) times one frequency."""
+        inv_freq, long_freq, start, _ = self._frequencies("global")
+        positions = np.asarray(positions, dtype=np.float64)[:, None]
+        angles = positions * self._padded(inv_freq).astype(np.float64)
+        if long_freq is not None:
+            late = positions[:, 0] >= start
+            angles[late] = positions[late] * self._padded(long_freq).astype(np.float64)
+        return angles
+
     def _padded(self, inv_freq: np.ndarray) -> np.ndarray:
         """[d/2] frequencies: the rotated pairs', then 0 for the passing channels (partial rotary)."""
         out = np.zeros(self.config.head_dim // 2, dtype=self.dtype)

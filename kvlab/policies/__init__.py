@@ -3,9 +3,9 @@ them (kvlab/engine/kv_bounds.py); a policy only chooses rows."""
 
 from kvlab.policies.base import Policy
 from kvlab.policies.parse import CacheChoice, parse_cache_choice, parse_policy
-from kvlab.policies.shift import ContextShift, rerotate_keys
+from kvlab.policies.shift import ContextShift, rotate_keys
 from kvlab.policies.sinks import AttentionSinks
 from kvlab.policies.window import SlidingWindow
 
 __all__ = ["AttentionSinks", "CacheChoice", "ContextShift", "Policy", "SlidingWindow", "parse_cache_choice",
-           "parse_policy", "rerotate_keys"]
+           "parse_policy", "rotate_keys"]

@@ -4,12 +4,13 @@ When the cache is full, keep the first `n_keep` rows, drop the oldest half of th
 kept tail moves down by the number dropped, so generation never runs out of positions (llama.cpp's
 `n_discard = (n_past - n_keep) / 2`, then `llama_kv_cache_seq_add(..., -n_discard)`).
 
-Keys are cached after RoPE (ARCHITECTURE.md invariant 1), so a row that moves from position p to p + delta must
-have its key rotated by delta. RoPE rotates each pair of channels by position * theta_i, and rotations
-compose, R(p + delta) = R(delta) R(p): rotating the stored key by delta gives the key the model would
-have computed at p + delta, exact up to rounding (tests/test_policies.py checks 1e-5 in float32, over
-repeated shifts: llama.cpp #5652 / #4097 broke exactly this). Values carry no position and stay as they
-are. The angles are computed in float64 whatever the cache dtype.
+Keys are cached after RoPE (ARCHITECTURE.md invariant 1), so a row that moves from position p to q must have
+its key rotated. RoPE rotates each pair of channels by an angle of the position (q * theta_i; LongRoPE
+changes theta_i at its pretraining length), and rotations compose: turning the stored key by
+angles(q) - angles(p) (`rotate_keys`, with the model's RopeTables.angles) gives the key the model would have
+computed at q, exact up to rounding (tests/test_policies.py: 1e-5 in float32, LongRoPE too, and after ~130
+evictions in the engine: llama.cpp #5652 / #4097 broke exactly this). Values carry no position and stay as
+they are. The angles are computed in float64 whatever the cache dtype.
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ from __future__ import annotations
 import numpy as np
 
 from kvlab.errors import InputError
-from kvlab.model.layers import rope_cos_sin, rotate
+from kvlab.model.layers import rotate
 from kvlab.policies.base import Policy, positive_int
 
 
-def rerotate_keys(keys: np.ndarray, delta: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
-    """Keys [B, H_kv, n, d] stored at positions p, rotated to p + delta[n]; same dtype as given."""
-    cos, sin = rope_cos_sin(np.asarray(delta, dtype=np.float64), np.asarray(inv_freq, dtype=np.float64))
-    return rotate(keys.astype(np.float64), cos, sin).astype(keys.dtype, copy=False)
+def rotate_keys(keys: np.ndarray, angles: np.ndarray) -> np.ndarray:
+    """Keys [B, H_kv, n, d] rotated by `angles` [n, d/2] (float64: RopeTables.angles(new) - angles(old));
+    same dtype as given."""
+    angles = np.concatenate([angles, angles], axis=-1)
+    return rotate(keys.astype(np.float64), np.cos(angles), np.sin(angles)).astype(keys.dtype, copy=False)
 
 
 class ContextShift(Policy):

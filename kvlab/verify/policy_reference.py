@@ -4,8 +4,8 @@
 
 Before a chunk of n tokens, the policy keeps `keep(L, n)` of the L cached rows and they move to positions
 0..k-1 (StreamingLLM's positions within the cache; llama.cpp's context shift): each kept key, cached after
-RoPE, is rotated by the distance it moved with `kvlab.apply_rope`, and the chunk runs on a KVCache built
-from the kept rows (`KVCache.from_arrays`), its new rows at k... The engine instead keeps the tail at its
+RoPE, turns by its new position's angles minus its old (`RopeTables.angles`, in float64; NoPE layers not at
+all), and the chunk runs on a KVCache built from the kept rows (`KVCache.from_arrays`), its new rows at k... The engine instead keeps the tail at its
 text positions and re-rotates only the prefix rows; RoPE scores depend only on query-key distances, so
 both give the same logits up to rounding.
 """
@@ -17,9 +17,9 @@ from typing import Sequence
 import numpy as np
 
 from kvlab.cache.kv_cache import KVCache
-from kvlab.model.layers import apply_rope
 from kvlab.model.llama import LlamaModel
 from kvlab.policies.base import Policy
+from kvlab.policies.shift import rotate_keys
 
 
 class PolicyCache:
@@ -45,11 +45,10 @@ class PolicyCache:
         rows = np.asarray(self.policy.keep(length, num_new), dtype=np.int64)
         if np.any(np.diff(rows) <= 0) or rows.size + num_new > self.policy.budget:
             raise ValueError(f"{self.policy} kept rows {rows.tolist()} of {length}: not ascending within its budget")
-        moved = np.arange(rows.size) - rows  # each kept row's new position minus its old one
-        inv_freq = np.asarray(self.model.inv_freq, dtype=np.float64)  # rotated in float64, stored as cached
-        self.keys = [apply_rope(k[:, :, rows].astype(np.float64), moved, inv_freq=inv_freq).astype(k.dtype)
-                     if rows.size and rope != "none" else k[:, :, rows]  # NoPE layers: no rotation to move
-                     for rope, k in zip(self.model.layer_rope, self.keys)]
+        tables = self.model.rope_tables  # each kept key turns by its new position's angles minus its old
+        angles = tables.angles(np.arange(rows.size)) - tables.angles(rows)
+        self.keys = [rotate_keys(k[:, :, rows], angles) if rows.size and rope != "none"
+                     else k[:, :, rows] for rope, k in zip(self.model.layer_rope, self.keys)]  # NoPE: none
         self.values = [v[:, :, rows] for v in self.values]
         return length - int(rows.size)
 
