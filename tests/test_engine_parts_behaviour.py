@@ -96,7 +96,7 @@ def test_engine_policy_errors_say_what_runs_instead(model):
     with pytest.raises(ConfigError) as info:
         EngineConfig.create(model, kv_policy="h2o:4:8")
     assert str(info.value) == ("kv_policy: cache policy 'h2o:4:8': H2O (heavy hitters) was removed: attention sinks "
-                               "beat it at the same memory on SmolLM2-135M (README, Cache policies); use sinks:S:W")
+                               "beat it at the same memory on SmolLM2-135M (README, \"Lossy caches, measured\"); use sinks:S:W")
     scattered = type("Scattered", (Policy,), dict(budget=6, name="scattered"))()
     with pytest.raises(ConfigError) as info:
         EngineConfig.create(model, kv_policy=scattered)

@@ -49,10 +49,18 @@ def test_exact_perplexity_is_what_kvlab_perplexity_reports(rows):
 
 def test_bad_choices_are_refused_before_anything_runs():
     model = TinyLlama(seed=9, max_position_embeddings=32)
+    calls = []
+    for name in ("forward", "forward_batch"):  # count every forward: a refused choice runs none
+        inner = getattr(model, name)
+        setattr(model, name, lambda *a, inner=inner, **k: calls.append(1) or inner(*a, **k))
     for bad, message in [("window:64", "context is 32"), ("int3", "unsupported KV cache dtype"),
-                         ("sink:4:4", "unsupported KV cache dtype")]:
+                         ("sink:4:4", "unsupported KV cache dtype"),
+                         ("int8-channel+sinks:2:6", r"per-channel keys \(int8-channel\) are kept only by the contiguous"),
+                         ("sinks:8:8", "sinks:8:8: kv_policy sinks:8:8: 8 sink tokens need a larger window than 8"),
+                         ("h2o:4:4", r"H2O \(heavy hitters\) was removed")]:
         with pytest.raises(InputError, match=message):
             measure_fidelity(model, [1, 2, 3], 256, ["int8", bad])
+    assert not calls
     with pytest.raises(InputError, match="non-empty"):
         measure_fidelity(model, [], 256)
 

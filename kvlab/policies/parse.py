@@ -16,9 +16,9 @@ POLICY_FORMS = ("window:W (keep the last W tokens) | sinks:S:W (the first S plus
 _KINDS = {"window": (SlidingWindow, 1), "sinks": (AttentionSinks, 2), "shift": (ContextShift, 2)}
 # H2O (heavy hitters) was removed: on SmolLM2-135M, sinks:4:60 beat h2o:32:32 at the same 64 tokens over
 # 1,024 tokens (+47 % perplexity against +70 %), and its scores needed an attention path of their own
-# (README, "Cache policies").
+# (README, "Lossy caches, measured").
 _REMOVED = {"h2o": "H2O (heavy hitters) was removed: attention sinks beat it at the same memory on "
-                   "SmolLM2-135M (README, Cache policies); use sinks:S:W"}
+                   "SmolLM2-135M (README, \"Lossy caches, measured\"); use sinks:S:W"}
 
 
 def parse_policy(text: str, context: int) -> Policy | None:
