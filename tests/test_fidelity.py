@@ -12,12 +12,12 @@ from kvlab.fidelity import measure_fidelity
 from kvlab.perplexity import perplexity
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # per test, not per module: mutation testing (scripts/mutation.py) sees each test's calls
 def rows():
     model = TinyLlama(seed=9, max_position_embeddings=32)
     stream = np.random.default_rng(0).integers(0, 256, 70)
     found = measure_fidelity(model, stream, 256, ["exact", "window:32", "int8", "int4", "sinks:2:10",
-                                                  "int8+window:12", "float32"])
+                                                  "int8+window:12", "float32", "int8-channel"])
     return model, stream, {r.name: r for r in found}
 
 
@@ -39,6 +39,13 @@ def test_lossy_choices_are_measurably_lossy_and_ordered(rows):
     assert sinks.peak_tokens == 12 and sinks.evicted_tokens > 0 and sinks.kl_mean > 0
     assert by_name["int8+window:12"].peak_tokens == 12
     assert by_name["int8+window:12"].peak_bytes == pytest.approx(12 * int8.bytes_per_token)
+    # per-channel keys read the contiguous cache (a block pool cannot hold them): the whole 32-token window
+    channel = by_name["int8-channel"]
+    assert channel.kv_dtype == "int8-channel" and channel.policy == "full"
+    assert 0 < channel.kl_mean and channel.evicted_tokens == 0 and channel.peak_tokens == 32
+    assert channel.peak_bytes == channel.bytes_per_token * 32 < by_name["float32"].peak_bytes
+    for r in by_name.values():  # 70 tokens a choice take well under a minute: the clock is read right
+        assert r.decode_tokens_per_s > 1 and r.tokens == 70
 
 
 def test_exact_perplexity_is_what_kvlab_perplexity_reports(rows):
