@@ -62,7 +62,9 @@ def test_bad_choices_are_refused_before_anything_runs():
         setattr(model, name, lambda *a, inner=inner, **k: calls.append(1) or inner(*a, **k))
     for bad, message in [("window:64", "context is 32"), ("int3", "unsupported KV cache dtype"),
                          ("sink:4:4", "unsupported KV cache dtype"),
-                         ("int8-channel+sinks:2:6", r"per-channel keys \(int8-channel\) are kept only by the contiguous"),
+                         ("int8-channel+sinks:2:6", r"^int8-channel\+sinks:2:6: per-channel keys \(int8-channel\) are "
+                          r"kept only by the contiguous cache, and cache policies run in the engine's block pool; "
+                          r"measure them apart$"),
                          ("sinks:8:8", "sinks:8:8: kv_policy sinks:8:8: 8 sink tokens need a larger window than 8"),
                          ("h2o:4:4", r"H2O \(heavy hitters\) was removed")]:
         with pytest.raises(InputError, match=message):
@@ -70,6 +72,15 @@ def test_bad_choices_are_refused_before_anything_runs():
     assert not calls
     with pytest.raises(InputError, match="non-empty"):
         measure_fidelity(model, [], 256)
+
+
+def test_windows_shorter_than_a_block_run_in_the_engine_too():
+    """A context of 5 tokens: the engine's pool for each window is sized from its length, however short."""
+    model = TinyLlama(seed=9, max_position_embeddings=32)
+    stream = np.random.default_rng(1).integers(0, 256, 12)
+    rows = {r.name: r for r in measure_fidelity(model, stream, 256, ["int8", "sinks:1:3"], context=5)}
+    assert rows["exact"].kl_mean == 0 and rows["exact"].tokens == 12
+    assert rows["int8"].kl_mean > 0 and rows["sinks:1:3"].peak_tokens == 4
 
 
 def kvlab(*args):

@@ -13,6 +13,12 @@ import numpy as np
 MIN_CAPACITY = 16
 
 
+def grown_capacity(capacity: int, num_tokens: int) -> int:
+    """The capacity a contiguous store grows to when `num_tokens` rows do not fit in `capacity`: at least
+    double, so that a generation of n tokens reallocates O(log n) times."""
+    return max(num_tokens, 2 * capacity, MIN_CAPACITY)
+
+
 class ContiguousStore:
     """The default KVStore: per-layer preallocated arrays in the cache dtype."""
 
@@ -42,7 +48,7 @@ class ContiguousStore:
             capacity = self._keys[index].shape[2]
             if num_tokens <= capacity:
                 continue
-            new_capacity = max(num_tokens, 2 * capacity, MIN_CAPACITY)
+            new_capacity = grown_capacity(capacity, num_tokens)
             for arrays in (self._keys, self._values):
                 grown = self._alloc(new_capacity)
                 grown[:, :, :capacity] = arrays[index]

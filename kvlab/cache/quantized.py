@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from kvlab.cache.contiguous import MIN_CAPACITY
+from kvlab.cache.contiguous import MIN_CAPACITY, grown_capacity
 from kvlab.cache.quant import (FP8_DTYPES, SCALE_DTYPE, QuantFormat, decode_rows, dequantize_int,
                                encode_rows, pack_int4, quantize_int, unpack_int4)
 from kvlab.errors import InputError
@@ -201,7 +201,7 @@ class QuantizedStore:
         capacity = self.capacity_tokens
         if num_tokens <= capacity:
             return
-        new_capacity = max(num_tokens, 2 * capacity, MIN_CAPACITY)
+        new_capacity = grown_capacity(capacity, num_tokens)
         for codes in (*self._keys, *self._values):
             codes.grow(new_capacity)
 
