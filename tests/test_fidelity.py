@@ -44,6 +44,11 @@ def test_lossy_choices_are_measurably_lossy_and_ordered(rows):
     assert channel.kv_dtype == "int8-channel" and channel.policy == "full"
     assert 0 < channel.kl_mean and channel.evicted_tokens == 0 and channel.peak_tokens == 32
     assert channel.peak_bytes == channel.bytes_per_token * 32 < by_name["float32"].peak_bytes
+    model = rows[0]
+    held = model.new_cache(kv_dtype="int8-channel")
+    model.forward(np.arange(32)[None], cache=held)
+    report = held.memory_report()  # codes and the per-token and per-block scales of 32 tokens
+    assert channel.peak_bytes == report.payload_bytes + report.scale_bytes and report.scale_bytes > 0
     for r in by_name.values():  # 70 tokens a choice take well under a minute: the clock is read right
         assert r.decode_tokens_per_s > 1 and r.tokens == 70
 

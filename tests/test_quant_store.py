@@ -10,6 +10,7 @@ import pytest
 from kvlab.cache.contiguous import ContiguousStore
 from kvlab.cache.dtypes import resolve_kv_dtype
 from kvlab.cache.quantized import QuantizedBlocks, QuantizedStore
+from kvlab.errors import InputError
 
 FORMATS = ["int8", "int4", "fp8_e4m3", "fp8_e5m2"]
 
@@ -83,3 +84,10 @@ def test_reads_come_back_in_the_compute_dtype_after_a_fork(kv_dtype, dtype):
         assert keys.dtype == values.dtype == dtype and keys.shape == (1, 2, 40, 64)
     assert all(np.array_equal(a, b) for a, b in zip(store.read(1, 40), fork.read(1, 40)))
     assert fork.nbytes(40) == store.nbytes(40) and fork.capacity_tokens >= 40
+
+
+def test_a_block_pool_refuses_per_channel_keys_by_name():
+    with pytest.raises(InputError) as caught:
+        QuantizedBlocks(resolve_kv_dtype("int4-channel", np.float32), 4, 2, 16, 64, np.float32)
+    assert str(caught.value) == ("the block pool stores int4 per token and head; per-channel key groups "
+                                 "(int4-channel) are only available in the contiguous cache")
