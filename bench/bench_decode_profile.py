@@ -91,7 +91,7 @@ def instrument(model: LlamaModel, timer: PartTimer) -> None:
 
 
 def patch_attention(timers: list[PartTimer]) -> None:
-    for cls in (attention_module.ContiguousAttention,):  # ObservedAttention calls one of these
+    for cls in (attention_module.ContiguousAttention,):
         inner = cls.__call__
 
         def timed(self, *args, _inner=inner, **kwargs):

@@ -8,9 +8,10 @@ read again. It is released (vLLM's SlidingWindowManager swaps it for its null bl
 becomes NULL_BLOCK, read as block 0 and masked out). Its K/V are the model's own, so a registered block
 stays in the prefix cache as it was.
 
-Cache policies (`kv_policy`, kvlab/policies): the engine must give the same logits as `make_room` +
-`forward` on a contiguous KVCache with the same chunks. There, before a chunk of n tokens the policy keeps
-rows `keep(L, n)` of the L cached rows and moves them to positions 0..k-1 (re-rotating keys). Every policy
+Cache policies (`kv_policy`, kvlab/policies): the engine must give the same logits as the policy done by
+hand on the contiguous reference cache with the same chunks (PolicyCache, kvlab/verify/policy_reference.py;
+`kvlab verify`'s "policy" schedule). There, before a chunk of n tokens the policy keeps rows `keep(L, n)` of
+the L cached rows and moves them to positions 0..k-1 (re-rotating keys). Every policy
 run here keeps a text prefix [0, s) (sinks, context shift's n_keep) plus a text tail [ws, chunk start):
   * the tail stays where it is, at its text positions, and the queries use text positions too: RoPE
     scores depend only on query-key distances, which are the same as in the contiguous cache (there the
@@ -24,7 +25,7 @@ run here keeps a text prefix [0, s) (sinks, context shift's n_keep) plus a text 
     paged kernels take as their key range start. Blocks wholly before the view start are released.
 Positions are text positions and so grow past max_position_embeddings in a long chat; RoPE needs only
 their differences (at most the budget), but float32 angles lose about 6e-8 relative per position, which
-`bench/bench_engine_policy.py` measures against the contiguous policy at 10k tokens.
+`bench/bench_engine_policy.py` measures against PolicyCache at 10k tokens.
 
 Prefix cache: a block computed after the first eviction holds K/V that depend on what was evicted (and on
 the chunk schedule), so it is never registered; a sink block is a private copy. Blocks computed before
@@ -132,8 +133,8 @@ class KVBounds:
 
     # --- before a chunk ------------------------------------------------------------------------------------
     def evict(self, seq: Sequence, num_new: int) -> None:
-        """Before `num_new` tokens of `seq` are computed: apply the policy's keep (as `make_room` would on a
-        contiguous cache) and release the blocks no query of this or a later step can see."""
+        """Before `num_new` tokens of `seq` are computed: apply the policy's keep (as PolicyCache.make_room
+        does on the reference cache) and release the blocks no query of this or a later step can see."""
         if self.policy is not None:
             self._keep(seq, num_new)
         self.trim(seq)

@@ -1,8 +1,9 @@
 """What every cache policy answers: how many rows the cache may hold, and which to keep when it is full.
 
-A policy never touches arrays itself. Before a forward writes `num_new` rows, `make_room`
-(kvlab/policies/apply.py) asks `keep(length, num_new)` for the row indices to keep, and the cache drops
-the rest and moves the kept rows to positions 0..n-1 (see apply.py for why the positions move).
+A policy never touches arrays itself. Before a step writes `num_new` rows of a sequence, the engine
+(kvlab/engine/kv_bounds.py) asks `keep(length, num_new)` for the row indices to keep and gives back the
+blocks of the rest; PolicyCache (kvlab/verify/policy_reference.py) does the same by hand on the reference
+cache, moving the kept rows to positions 0..n-1.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Softmax attention dumps mass on the first few tokens whatever they say; a plain window evicts them and
 the model degrades, keeping them restores it. StreamingLLM assigns positions by place in the cache, not
-in the text, which is what `make_room` does for every policy: the sinks stay at 0..S-1 and the window
-follows at S.. (kvlab/policies/apply.py).
+in the text (PolicyCache does so: the sinks at 0..S-1, the window at S..); the engine keeps the window at
+its text positions and writes the sinks right before it, which gives the same query-key distances
+(kvlab/engine/kv_bounds.py).
 """
 
 from __future__ import annotations
