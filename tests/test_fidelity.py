@@ -1,6 +1,7 @@
 """kvlab fidelity: the exact cache measures as exact, lossy ones as measurably lossy, the CLI as a user runs it."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -49,8 +50,8 @@ def test_lossy_choices_are_measurably_lossy_and_ordered(rows):
     model.forward(np.arange(32)[None], cache=held)
     report = held.memory_report()  # codes and the per-token and per-block scales of 32 tokens
     assert channel.peak_bytes == report.payload_bytes + report.scale_bytes and report.scale_bytes > 0
-    for r in by_name.values():  # 70 tokens a choice take well under a minute: the clock is read right
-        assert r.decode_tokens_per_s > 1 and r.tokens == 70
+    for r in by_name.values():  # a speed is reported (its size is the machine's: never bounded in a test)
+        assert r.decode_tokens_per_s > 0 and math.isfinite(r.decode_tokens_per_s) and r.tokens == 70
 
 
 def test_exact_perplexity_is_what_kvlab_perplexity_reports(rows):

@@ -72,7 +72,8 @@ def greedy_tokens(model: LlamaModel, policy: Policy, prompt: Sequence[int], max_
     """Greedy tokens under `policy`, the prompt in chunks of max_chunk then one token a step."""
     cache = PolicyCache(model, policy)
     logits, tokens = cache.feed(prompt)[-1], []
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         tokens.append(int(np.argmax(logits)))
-        logits = cache.feed([tokens[-1]])[-1]
+        if step + 1 < max_new_tokens:  # the last token is never fed back, as in the engine
+            logits = cache.feed([tokens[-1]])[-1]
     return tokens
