@@ -1,4 +1,5 @@
-"""Policy names as users type them: `window:W`, `sinks:S:W`, `shift:KEEP[:BUDGET]`, and cache choices that combine a storage dtype with a policy: `int8`, `int4+sinks:4:60`, `exact`."""
+"""Policy names as users type them: `window:W`, `sinks:S:W`, `shift:KEEP[:BUDGET]`, and cache choices that
+combine a storage dtype with a policy: `int8`, `int4+sinks:4:60`, `exact`."""
 
 from __future__ import annotations
 

@@ -5,9 +5,9 @@
 Before a chunk of n tokens, the policy keeps `keep(L, n)` of the L cached rows and they move to positions
 0..k-1 (StreamingLLM's positions within the cache; llama.cpp's context shift): each kept key, cached after
 RoPE, turns by its new position's angles minus its old (`RopeTables.angles`, in float64; NoPE layers not at
-all), and the chunk runs on a KVCache built from the kept rows (`KVCache.from_arrays`), its new rows at k... The engine instead keeps the tail at its
-text positions and re-rotates only the prefix rows; RoPE scores depend only on query-key distances, so
-both give the same logits up to rounding.
+all), and the chunk runs on a KVCache built from the kept rows (`KVCache.from_arrays`), its new rows at
+k, k+1, ... The engine instead keeps the tail at its text positions and re-rotates only the prefix rows;
+RoPE scores depend only on query-key distances, so both give the same logits up to rounding.
 """
 
 from __future__ import annotations
