@@ -32,7 +32,7 @@ any_floats = st.one_of(finite_floats, st.sampled_from([np.inf, -np.inf, np.nan, 
 
 
 def activation_rows(elements: st.SearchStrategy) -> st.SearchStrategy:
-    return st.integers(1, 5).flatmap(lambda rows: st.sampled_from([16, 32]).flatmap(
+    return st.integers(1, 9).flatmap(lambda rows: st.sampled_from([16, 32]).flatmap(
         lambda group: st.tuples(hnp.arrays(np.float32, (rows, group * 3), elements=elements), st.just(group))))
 
 
@@ -67,12 +67,19 @@ def test_a_non_finite_value_makes_its_group_nan_and_leaves_the_others():
 @settings(max_examples=80, deadline=None)
 @given(case=activation_rows(any_floats))
 def test_compiled_rounding_has_the_references_bits(case):
-    from kvlab.kernels.qgemv import round_rows
+    from kvlab.kernels.qgemv import _round_rows_parallel, round_rows, round_rows_into
 
     x, group = case
     q, d = round_activations(x, group)
     xq, dx, qsum, fsum = round_rows(x, group, 1)  # bias 1: the sums themselves
     assert np.array_equal(xq, q) and np.array_equal(dx, d, equal_nan=True)
+    # rows go over the threads from qgemv.ROUND_PARALLEL_ROWS on: both compiles, every row's bits alike
+    serial = [np.empty_like(a) for a in (xq, dx, qsum, fsum)]
+    parallel = [np.empty_like(a) for a in (xq, dx, qsum, fsum)]
+    round_rows_into(x, group, np.int32(1), *serial)
+    _round_rows_parallel(x, group, np.int32(1), *parallel)
+    for got, want in zip(parallel, serial):
+        assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
     assert np.array_equal(qsum, q.reshape(*d.shape, group).astype(np.int32).sum(axis=-1))
     assert np.array_equal(fsum, d * qsum.astype(np.float32), equal_nan=True)
 

@@ -109,6 +109,27 @@ def test_fused_norm_and_swiglu_products_equal_their_twins(rows, inter, hidden, w
     assert np.abs(got_down - want_down).max() <= 1e-5 * inter * scale_of(want_down)
 
 
+@given(rows=st.integers(1, 12), inter=st.integers(1, 70), seed=st.integers(0, 2**16),
+       dtype=st.sampled_from([np.float32, np.float64]))
+def test_swiglu_rows_over_the_threads_have_the_serial_bits(rows, inter, seed, dtype):
+    """A batch's or a prefill's rows go over the threads (gemv.swiglu_batch), a decode step's row stays on
+    the calling thread: each row's bits must not depend on which, nor on the error model that lets the
+    division vectorise (gates that overflow exp, and infinities, included)."""
+    rng = np.random.default_rng(seed)
+    gate_up = (rng.standard_normal((rows, 2 * inter)) * 30).astype(dtype)
+    gate_up[0, 0], gate_up[-1, inter - 1] = -200.0, np.inf
+    serial, parallel, batched = (np.empty((rows, inter), dtype=dtype) for _ in range(3))
+    with np.errstate(over="ignore", invalid="ignore"):
+        gemv._swiglu_serial(gate_up, serial)
+        gemv._swiglu_parallel(gate_up, parallel)
+        gemv.swiglu_batch(gate_up, batched)
+        want = layers.swiglu(gate_up[:, :inter].astype(np.float64), gate_up[:, inter:].astype(np.float64))
+    assert np.array_equal(serial.view(np.uint8), parallel.view(np.uint8))
+    assert np.array_equal(serial.view(np.uint8), batched.view(np.uint8))
+    finite = np.isfinite(want)
+    assert np.allclose(serial[finite], want[finite], rtol=1e-5, atol=1e-30)
+
+
 # --- decode attention ---------------------------------------------------------------------------------
 @contextlib.contextmanager
 def threshold(rows: int):

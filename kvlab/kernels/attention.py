@@ -202,7 +202,7 @@ def _span(q, h, kc, ks, kz, vc, vs, vz, kind, group, table, lo, hi, zero, row_ma
             block, row = block + 1, 0
 
 
-@njit(fastmath=FASTMATH, cache=True)
+@njit(fastmath=FASTMATH, cache=True, error_model="numpy")  # divides in a loop: gemv.py says why
 def _combine(row_max, row_sum, acc, zero, out):
     """out [group, d] = sum_c acc[c] e^(max_c - M) / sum_c row_sum[c] e^(max_c - M) over spans c (M: the
     max of the span maxima; empty spans weigh e^-inf = 0)."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from kvlab.kernels.gemv import FASTMATH, products, rms_norm_rows, silu_times_up
+from kvlab.kernels.gemv import FASTMATH, products, rms_norm_rows, swiglu_batch
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
@@ -75,7 +75,7 @@ def bias_norm_rope_rows(out, bias, q_norm, k_norm, q_heads, eps, zero, cos, sin,
                 second[i] = x2 * c[1, i] + x1 * s[1, i]
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")  # rms_norm_heads divides (gemv.py)
 def qkv_rope(x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, out, zero):
     """out [B, (H_q + 2 H_kv) d] = rms_norm(x) @ w_qkv.T + bias, then the per-head q/k norms (q_norm,
     k_norm [d], empty for none), then RoPE on the first `rotated_heads` heads (q and k): cos[b], sin[b]
@@ -103,8 +103,7 @@ def output_mlp(x, attn, w_o, b_o, norm, eps, w_gate_up, w_down, zero):
     gate_up = np.empty((batch, 2 * inter), dtype=x.dtype)
     products(xn, w_gate_up, gate_up, zero)
     act = np.empty((batch, inter), dtype=x.dtype)
-    for b in range(batch):
-        silu_times_up(gate_up[b], act[b], inter)
+    swiglu_batch(gate_up, act)
     down = np.empty((batch, hidden), dtype=x.dtype)
     products(act, w_down, down, zero)
     for b in range(batch):

@@ -27,7 +27,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from kvlab.kernels.decode_layer import bias_norm_rope_rows
-from kvlab.kernels.gemv import rms_norm_rows, silu_times_up
+from kvlab.kernels.gemv import rms_norm_rows, swiglu_batch
 from kvlab.kernels.qgemv import dot_product, group_sums_into, product_tile, tail_rows
 
 
@@ -91,7 +91,7 @@ def _stacked_impl(x, w, out):
     raise TypeError("a stack of 2 or 3 matrices")
 
 
-@njit(fastmath={"reassoc", "contract"}, cache=True)
+@njit(fastmath={"reassoc", "contract"}, cache=True, error_model="numpy")  # rms_norm_heads divides (gemv.py)
 def qkv_rope(x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, out, zero):
     """out [B, (H_q + 2 H_kv) d] = rms_norm(x) @ w_qkv.T + bias (w_qkv one matrix or a stack: `_stacked`),
     then the per-head q/k norms (q_norm, k_norm [d], empty for none), then RoPE on the first `rotated_heads` heads: cos[b], sin[b] [2, d/2]
@@ -119,8 +119,7 @@ def output_mlp(x, attn, w_o, b_o, norm, eps, w_gate_up, w_down, zero):
     gate_up = np.empty((batch, 2 * inter), dtype=x.dtype)
     _stacked(xn, w_gate_up, gate_up)
     act = np.empty((batch, inter), dtype=x.dtype)
-    for b in range(batch):
-        silu_times_up(gate_up[b], act[b], inter)
+    swiglu_batch(gate_up, act)
     down = np.empty((batch, hidden), dtype=x.dtype)
     _product(act, w_down, down)
     for b in range(batch):

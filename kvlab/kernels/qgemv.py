@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from kvlab.kernels.compile_names import renamed
 from kvlab.kernels.qdot import WIDE, tile_dot_1, tile_dot_2, tile_dot_3, tile_dot_4, tile_dot_8
 from kvlab.kernels.qsimd import tile_product_1, tile_product_2, tile_product_3, tile_product_4
 
@@ -105,56 +106,72 @@ ABS_BITS = np.int32(0x7FFFFFFF)
 INF_BITS = np.int32(0x7F800000)
 
 
-@njit(cache=True)
-def round_rows_into(x, group, bias, xq, dx, qbias, fsum):
-    """x [M, K] rounded per group as model/act_quant.round_activations does (the same float32 steps):
-    xq int8 [M, K], dx [M, G] the scales, qbias int32 [M, G] = bias * the sums of xq (what the codes' bias
-    adds to a group's integer dot: kernels/qdot.py), fsum = dx * the sums.
+@njit(cache=True, inline="always")
+def round_row(x, bits, m, group, bias, xq, dx, qbias, fsum):
+    """Row m of x [M, K] rounded per group as model/act_quant.round_activations does (the same float32
+    steps): xq int8 [M, K], dx [M, G] the scales, qbias int32 [M, G] = bias * the sums of xq (what the
+    codes' bias adds to a group's integer dot: kernels/qdot.py), fsum = dx * the sums; `bits` is x's
+    float32 bits (int32).
     A group's largest magnitude is found on the float32 bits (sign cleared, a non-negative float orders
     as its bits do, and inf and NaN above every finite value): an integer max the loop vectorises,
     which tells a non-finite group apart in the same pass (it rounds to zero with scale NaN)."""
+    for g in range(dx.shape[1]):
+        k0 = g * group
+        top = np.int32(0)
+        for j in range(group):
+            top = max(top, bits[m, k0 + j] & ABS_BITS)
+        total = np.int32(0)
+        if top >= INF_BITS:  # inf or NaN in the group
+            for j in range(group):
+                xq[m, k0 + j] = 0
+            d = np.float32(np.nan)
+        else:
+            d = np.int32(top).view(np.float32) / np.float32(127)
+            inv = np.float32(0)
+            if d > 0:
+                inv = np.float32(1) / d
+            if not np.isfinite(inv):  # d underflowed: the group rounds to zero
+                inv = np.float32(0)
+                d = np.float32(0)
+            for j in range(group):
+                q = min(max(np.rint(x[m, k0 + j] * inv), np.float32(-127)), np.float32(127))
+                xq[m, k0 + j] = np.int8(q)
+                total += np.int32(q)
+        dx[m, g] = d
+        qbias[m, g] = bias * total
+        fsum[m, g] = d * np.float32(total)
+
+
+def _round_rows_into(x, group, bias, xq, dx, qbias, fsum):
+    """Every row of x [M, K] float32 through `round_row`; rows are independent, so the parallel
+    compile (rows over the threads) gives the serial one's bits."""
     xc = np.ascontiguousarray(x)
     bits = xc.view(np.int32)
-    box = np.zeros(1, dtype=np.int32)
-    boxf = box.view(np.float32)
-    for m in range(x.shape[0]):
-        for g in range(dx.shape[1]):
-            k0 = g * group
-            top = np.int32(0)
-            for j in range(group):
-                top = max(top, bits[m, k0 + j] & ABS_BITS)
-            total = np.int32(0)
-            if top >= INF_BITS:  # inf or NaN in the group
-                for j in range(group):
-                    xq[m, k0 + j] = 0
-                d = np.float32(np.nan)
-            else:
-                box[0] = top
-                d = boxf[0] / np.float32(127)
-                inv = np.float32(0)
-                if d > 0:
-                    inv = np.float32(1) / d
-                if not np.isfinite(inv):  # d underflowed: the group rounds to zero
-                    inv = np.float32(0)
-                    d = np.float32(0)
-                for j in range(group):
-                    q = min(max(np.rint(xc[m, k0 + j] * inv), np.float32(-127)), np.float32(127))
-                    xq[m, k0 + j] = np.int8(q)
-                    total += np.int32(q)
-            dx[m, g] = d
-            qbias[m, g] = bias * total
-            fsum[m, g] = d * np.float32(total)
+    for m in prange(xc.shape[0]):
+        round_row(xc, bits, m, group, bias, xq, dx, qbias, fsum)
+
+
+# A decode step's row or two stay on the calling thread (a parallel region costs more than they do); a
+# batch's or a prefill's rows go over the threads: at 16 rows of SmolLM2's down input the serial rounding
+# was a quarter of the product's time on two threads (18 of 78 us).
+round_rows_into = njit(cache=True, error_model="numpy")(_round_rows_into)
+_round_rows_parallel = njit(parallel=True, cache=True, error_model="numpy")(
+    renamed(_round_rows_into, "_round_rows_parallel"))
+ROUND_PARALLEL_ROWS = 4
 
 
 @njit(cache=True)
 def round_rows(x, group, bias):
-    """(xq, dx, qbias, fsum) of `round_rows_into` for x [M, K] float32."""
+    """(xq, dx, qbias, fsum) of `round_row` for every row of x [M, K] float32."""
     rows, groups = x.shape[0], x.shape[1] // group
     xq = np.empty(x.shape, dtype=np.int8)
     dx = np.empty((rows, groups), dtype=np.float32)
     qbias = np.empty((rows, groups), dtype=np.int32)
     fsum = np.empty((rows, groups), dtype=np.float32)
-    round_rows_into(x, group, np.int32(bias), xq, dx, qbias, fsum)
+    if rows >= ROUND_PARALLEL_ROWS:
+        _round_rows_parallel(x, group, np.int32(bias), xq, dx, qbias, fsum)
+    else:
+        round_rows_into(x, group, np.int32(bias), xq, dx, qbias, fsum)
     return xq, dx, qbias, fsum
 
 
