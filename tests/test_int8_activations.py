@@ -9,6 +9,8 @@ apart from the exact model's.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -167,6 +169,51 @@ def test_both_code_paths_of_the_integer_kernel(monkeypatch, vnni):
         assert np.allclose(out, want, rtol=1e-5, atol=1e-6 * np.abs(want).max()), type_name
         asm = "\n".join(first_tile.inspect_asm().values())
         assert ("vpdpbusd" in asm) == vnni
+
+
+@needs_numba
+@pytest.mark.parametrize("vnni", [True, False])
+def test_a_tile_pair_gives_each_lane_the_single_tiles_bits(monkeypatch, vnni):
+    """Two tiles in one zmm register (qdot.PAIRS: 16 output rows a vpdpbusd), eight rows of x at a time:
+    every output the bits of the one-tile kernel, VNNI or the generic IR, for every scale
+    layout (float16 bits, offsets, Q4_0's folded offsets, K types' factored scales and offsets)."""
+    from numba import njit
+
+    from kvlab.kernels import qdot
+    from kvlab.kernels.qgemv import round_rows
+
+    if not qdot.PAIRS:
+        pytest.skip("the CPU has no AVX-512 VNNI + BW: the kernels never pair tiles here")
+    monkeypatch.setattr(qdot, "VNNI", vnni)
+
+    @njit  # not cached: compiled with the flag as set now
+    def by_tile(xq, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, out):
+        for t in range(2):
+            for m in range(xq.shape[0]):
+                qdot.tile_dot_1(xq, m, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, t, out)
+
+    @njit
+    def by_pair(xq, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, out):
+        qdot.tile_dot_8x2(xq, 0, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, 0, out)
+
+    rng = np.random.default_rng(2)
+    for type_name in ("Q8_0", "Q4_1", "Q4_0", "Q6_K", "Q4_K"):
+        raw = blocks(type_name, 16, 512, rng, "mixed")
+        matrix = QuantizedMatrix.from_blocks(type_name, raw, (16, 512))
+        layout = matrix.dot_layout
+        x = rng.standard_normal((8, 512)).astype(np.float32)
+        rounded_x = round_rows(x, matrix.group, layout[3])
+        single = np.empty((8, 16), dtype=np.float32)
+        by_tile(*rounded_x, *layout[:3], *layout[4:], single)
+        paired = np.full((8, 16), np.nan, dtype=np.float32)
+        by_pair(*rounded_x, *layout[:3], *layout[4:], paired)
+        assert np.array_equal(paired.view(np.int32), single.view(np.int32)), type_name
+        want = rounded(x, matrix.group).astype(np.float64) @ matrix.dequantize(np.float64).T
+        assert np.allclose(single, want, rtol=1e-5, atol=1e-6 * np.abs(want).max()), type_name
+    asm = "\n".join(by_pair.inspect_asm().values())
+    assert ("vpdpbusd" in asm) == vnni
+    if vnni:  # the pair's products are one zmm instruction each
+        assert re.search(r"vpdpbusd\s+[^\n]*zmm", asm), "no vpdpbusd on zmm registers"
 
 
 # --- a model in the mode ------------------------------------------------------------------------------

@@ -38,7 +38,15 @@ row the epilogue is four vector instructions: subtract qbias, convert, multiply 
 into the row's total; every R computes a row the same way, so a row's bits do not depend on the rows
 beside it (tests/test_batch_invariant.py). Eight rows at once (where AVX-512 gives 32 registers: WIDE)
 read a tile's codes once for eight rows and keep eight independent vpdpbusd chains in flight: 1.2-1.4x
-the four-row blocks' products at 8-16 rows on Zen 4 (bench/bench_qdot_rows.py).
+the four-row blocks' products at 8-16 rows on Zen 4 (bench/bench_qdot_rows.py). From 16 rows of x, where
+the CPU has AVX-512 VNNI and BW (PAIRS), two neighbouring tiles go through one zmm register: their codes
+loaded side by side (64 bytes), each x broadcast, vpdpbusd, conversion and fma then serving 16 output
+rows instead of 8. Zen 4 runs a zmm vpdpbusd in two halves, so the integer peak is the same; what pairs
+save is the instructions around it (the broadcasts and the per-group epilogue were half of them):
+16 rows of SmolLM2's output and MLP products 1.16x faster warm, a batch-16 step 0.78x the time (A/B in
+the README). Each lane's arithmetic is the single tile's, so the bits are too. Below 16 rows each code is
+used once per step, the products stream the weights from memory, and pairs measured slower there (1.04x
+the step time at batch 8, 1.2-1.4x at 1 and 4): qgemv.PAIR_MIN_ROWS keeps those one tile a register.
 """
 
 from __future__ import annotations
@@ -85,6 +93,8 @@ def has_vnni() -> bool:
 VNNI = has_vnni()
 # eight rows of x at once need ~20 vector registers: AVX-512 has 32 (ymm16-31 with VL), AVX2 16
 WIDE = "+avx512vl" in set(_target_features().split(","))
+# two tiles in one zmm register (16 lanes): vpdpbusd on zmm and byte operations on 64 lanes
+PAIRS = {"+avx512f", "+avx512bw", "+avx512vnni"} <= set(_target_features().split(","))
 
 
 def _splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.Value:
@@ -94,25 +104,54 @@ def _splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.
 
 
 def _dpbusd(builder: ir.IRBuilder, acc: ir.Value, codes: ir.Value, x4: ir.Value) -> ir.Value:
-    """acc[r] + sum_{c<4} codes[4r + c] (unsigned) * x4 bytes[c] (signed), per int32 lane r."""
-    x4v = _splat(builder, x4, _V8I32)
+    """acc[r] + sum_{c<4} codes[4r + c] (unsigned) * x4 bytes[c] (signed), per int32 lane r (8 lanes, or 16
+    for a tile pair: `vpdpbusd` on zmm)."""
+    lanes = acc.type.count
+    x4v = _splat(builder, x4, ir.VectorType(_I32, lanes))
     if VNNI:
         module = builder.module
-        name = "llvm.x86.avx512.vpdpbusd.256"
-        fn = module.globals.get(name) or ir.Function(module, ir.FunctionType(_V8I32, [_V8I32] * 3), name=name)
-        return builder.call(fn, [acc, builder.bitcast(codes, _V8I32), x4v])
-    wide = builder.mul(builder.zext(codes, _V32I32), builder.sext(builder.bitcast(x4v, _V32I8), _V32I32))
+        name = "llvm.x86.avx512.vpdpbusd." + str(32 * lanes)
+        vector = ir.VectorType(_I32, lanes)
+        fn = module.globals.get(name) or ir.Function(module, ir.FunctionType(vector, [vector] * 3), name=name)
+        return builder.call(fn, [acc, builder.bitcast(codes, vector), x4v])
+    wide_type = ir.VectorType(_I32, lanes * QUAD)
+    wide = builder.mul(builder.zext(codes, wide_type),
+                       builder.sext(builder.bitcast(x4v, ir.VectorType(_I8, lanes * QUAD)), wide_type))
     for c in range(QUAD):
-        column = builder.shuffle_vector(wide, wide, ir.Constant(_V8I32, [QUAD * r + c for r in range(LANES)]))
+        column = builder.shuffle_vector(wide, wide, ir.Constant(ir.VectorType(_I32, lanes),
+                                                                [QUAD * r + c for r in range(lanes)]))
         acc = builder.add(acc, column)
     return acc
+
+
+def _concat(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
+    """Two vectors of n lanes as one of 2n (a's lanes first): a tile pair's halves side by side."""
+    n = a.type.count
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 2 * n), list(range(2 * n))))
+
+
+def _fma_any(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
+    """a * b + c rounded once, on 8 lanes (qsimd's) or 16 (llvm.fma.v16f32)."""
+    if a.type.count == LANES:
+        return _fma(builder, a, b, c)
+    module, vector = builder.module, a.type
+    name = f"llvm.fma.v{vector.count}f32"
+    fn = module.globals.get(name) or ir.Function(module, ir.FunctionType(vector, [vector] * 3), name=name)
+    return builder.call(fn, [a, b, c])
 
 
 def _load(builder: ir.IRBuilder, base: ir.Value, index: ir.Value, ty: ir.Type) -> ir.Value:
     return builder.load(builder.bitcast(builder.gep(base, [index]), ty.as_pointer()), align=1)
 
 
-def _make_tile_dot(rows: int):
+def _make_tile_dot(rows: int, pair: bool = False):
+    """The intrinsic for `rows` rows of x against one tile (8 output rows in the lanes of a ymm register),
+    or, `pair`, against tiles t and t + 1 at once (16 output rows in a zmm register, AVX-512: each x
+    broadcast, epilogue instruction and loop step then serves twice the weights; every lane's arithmetic
+    is the single tile's, so the bits are too)."""
+    lanes = LANES * (2 if pair else 1)
+    vf, vi32 = ir.VectorType(_F32, lanes), ir.VectorType(_I32, lanes)
+    vbytes = ir.VectorType(_I8, lanes * QUAD)
     # vpdpbusd's latency is ~4 cycles at two a cycle: eight independent chains keep it busy, so a row of
     # x gets 8 / rows accumulators (int32 sums are exact: how many there are changes no bit), and the
     # loop takes enough quads a step to feed them
@@ -168,9 +207,9 @@ def _make_tile_dot(rows: int):
                     builder.module, ir.FunctionType(i64, [i64, ir.IntType(1)]), name="llvm.cttz.i64")
                 per_shift = builder.call(cttz, [per, ir.Constant(ir.IntType(1), 0)])
 
-            def lane_values(kind_int8: bool, kind_half: bool, row: ir.Value, base: ir.Value, lane0: ir.Value,
+            def half_values(kind_int8: bool, kind_half: bool, row: ir.Value, base: ir.Value, lane0: ir.Value,
                             g: ir.Value) -> ir.Value:
-                """The eight rows' scale (or offset) of group g as float32 lanes."""
+                """One tile's eight rows' scale (or offset) of group g as float32 lanes."""
                 if kind_int8:  # base (one per super-block and row) * the group's int: the float32 scale, exact
                     ints = builder.sitofp(builder.sext(_load(builder, row, lane0, _V8I8), _V8I32), _V8F)
                     block0 = builder.mul(builder.lshr(g, per_shift), const(LANES))
@@ -178,16 +217,27 @@ def _make_tile_dot(rows: int):
                 if kind_half:
                     return builder.fpext(builder.bitcast(_load(builder, row, lane0, _V8I16), _V8H), _V8F)
                 return _load(builder, row, lane0, _V8F)
+
+            def lane_values(kind_int8: bool, kind_half: bool, row: ir.Value, base: ir.Value, lane0: ir.Value,
+                            g: ir.Value) -> ir.Value:
+                """The tile's (or the pair's) rows' scale (or offset) of group g as float32 lanes."""
+                first = half_values(kind_int8, kind_half, row, base, lane0, g)
+                if not pair:
+                    return first
+                second = half_values(kind_int8, kind_half, builder.gep(row, [scale_row]),
+                                     builder.gep(base, [base_row]), lane0, g)
+                return _concat(builder, first, second)
             row_ix = [builder.add(m0_v, const(i)) for i in range(rows)]
             x_rows = [builder.gep(xs.data, [builder.mul(r, width)]) for r in row_ix]
             sum_ix = [builder.mul(r, sum_row) for r in row_ix]
-            zero_i = ir.Constant(_V8I32, [0] * LANES)
-            zero_f = ir.Constant(_V8F, [0.0] * LANES)
+            zero_i = ir.Constant(vi32, [0] * lanes)
+            zero_f = ir.Constant(vf, [0.0] * lanes)
             total = [cgutils.alloca_once_value(builder, zero_f) for _ in range(rows)]
             acc = [[cgutils.alloca_once_value(builder, zero_i) for _ in range(accs)] for _ in range(rows)]
-            flip = ir.Constant(_V32I8, [0x80] * (LANES * QUAD))
-            low_mask = ir.Constant(_V32I8, [0x0F] * (LANES * QUAD))
-            four = ir.Constant(_V32I8, [4] * (LANES * QUAD))
+            flip = ir.Constant(vbytes, [0x80] * (lanes * QUAD))
+            low_mask = ir.Constant(vbytes, [0x0F] * (lanes * QUAD))
+            four = ir.Constant(vbytes, [4] * (lanes * QUAD))
+            tile_bytes = builder.mul(n_groups, group_bytes)  # the next tile's codes are this far on
             with cgutils.for_range(builder, n_groups) as g_loop:
                 g = g_loop.index
                 for row_acc in acc:
@@ -197,7 +247,10 @@ def _make_tile_dot(rows: int):
                 k0 = builder.mul(g, group)
                 def products(q: ir.Value, first: int) -> int:
                     """The products of quad load q into the accumulators from `first` on (round robin)."""
-                    raw = _load(builder, codes_g, builder.mul(q, const(LANES * QUAD)), _V32I8)
+                    at = builder.mul(q, const(LANES * QUAD))
+                    raw = _load(builder, codes_g, at, _V32I8)
+                    if pair:
+                        raw = _concat(builder, raw, _load(builder, builder.gep(codes_g, [tile_bytes]), at, _V32I8))
                     k = builder.add(k0, builder.mul(q, const(QUAD)))
                     if signed:
                         parts = [(builder.xor(raw, flip), k)]
@@ -224,19 +277,19 @@ def _make_tile_dot(rows: int):
                     at = builder.add(sum_ix[i], g)
                     # the codes went in as code + bias (int8 codes: + 128; Q4_0's nibbles: its -8 folded in):
                     # qbias = bias * sum(q), taken off in int32 (exact)
-                    dot = builder.sub(dot, _splat(builder, builder.load(builder.gep(qbs.data, [at])), _V8I32))
-                    dxi = _splat(builder, builder.load(builder.gep(dxs.data, [at])), _V8F)
-                    builder.store(_fma(builder, scale, builder.fmul(builder.sitofp(dot, _V8F), dxi),
+                    dot = builder.sub(dot, _splat(builder, builder.load(builder.gep(qbs.data, [at])), vi32))
+                    dxi = _splat(builder, builder.load(builder.gep(dxs.data, [at])), vf)
+                    builder.store(_fma_any(builder, scale, builder.fmul(builder.sitofp(dot, vf), dxi),
                                        builder.load(total[i])), total[i])
                 with builder.if_then(has_offsets, likely=True):
                     offset = lane_values(factored_offsets, False, offset_base, base_offset_row, lane0, g)
                     for i in range(rows):
-                        fs = _splat(builder, builder.load(builder.gep(fss.data, [builder.add(sum_ix[i], g)])), _V8F)
-                        builder.store(_fma(builder, offset, fs, builder.load(total[i])), total[i])
+                        fs = _splat(builder, builder.load(builder.gep(fss.data, [builder.add(sum_ix[i], g)])), vf)
+                        builder.store(_fma_any(builder, offset, fs, builder.load(total[i])), total[i])
             n0 = builder.mul(t_v, const(LANES))
             for i in range(rows):
                 row = builder.gep(outs.data, [builder.add(builder.mul(row_ix[i], n_out), n0)])
-                builder.store(builder.load(total[i]), builder.bitcast(row, _V8F.as_pointer()), align=1)
+                builder.store(builder.load(total[i]), builder.bitcast(row, vf.as_pointer()), align=1)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -249,3 +302,4 @@ tile_dot_2 = _make_tile_dot(2)
 tile_dot_3 = _make_tile_dot(3)
 tile_dot_4 = _make_tile_dot(4)
 tile_dot_8 = _make_tile_dot(8)
+tile_dot_8x2 = _make_tile_dot(8, pair=True)
