@@ -201,15 +201,12 @@ def dot_tile(xq, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offs
 def dot_tiles(xq, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, out, t, n):
     """out[:, 8t:8t + 8n] for tiles t.. t+n-1 (n = 1, or 2: a pair in zmm registers eight rows of x at a
     time, qdot.PAIRS; the rows left over tile by tile). A lane's arithmetic is the same either way."""
-    if n == 1:
-        dot_tile(xq, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, out, t, 0)
-        return
     m = 0
-    while m + 8 <= xq.shape[0]:
+    while n == 2 and m + 8 <= xq.shape[0]:
         tile_dot_8x2(xq, m, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, t, out)
         m += 8
-    dot_tile(xq, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, out, t, m)
-    dot_tile(xq, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, out, t + 1, m)
+    for tile in range(t, t + n):  # one inlined copy of dot_tile (each copy is compile time)
+        dot_tile(xq, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, out, tile, m)
 
 
 # Tile pairs (qdot.PAIRS) from this many rows of x: then a pair's codes are read from L1 for a second block
