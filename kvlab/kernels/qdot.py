@@ -43,10 +43,11 @@ the CPU has AVX-512 VNNI and BW (PAIRS), two neighbouring tiles go through one z
 loaded side by side (64 bytes), each x broadcast, vpdpbusd, conversion and fma then serving 16 output
 rows instead of 8. Zen 4 runs a zmm vpdpbusd in two halves, so the integer peak is the same; what pairs
 save is the instructions around it (the broadcasts and the per-group epilogue were half of them):
-16 rows of SmolLM2's output and MLP products 1.16x faster warm, a batch-16 step 0.78x the time (A/B in
-the README). Each lane's arithmetic is the single tile's, so the bits are too. Below 16 rows each code is
-used once per step, the products stream the weights from memory, and pairs measured slower there (1.04x
-the step time at batch 8, 1.2-1.4x at 1 and 4): qgemv.PAIR_MIN_ROWS keeps those one tile a register.
+16 rows of SmolLM2's output and MLP products 1.16x faster warm, a batch-16 step 0.74-0.86x the time (A/B
+runs in the README and the commits). Each lane's arithmetic is the single tile's, so the bits are too.
+Below 16 rows each code is used once per step, the products stream the weights from memory, and pairs
+measured slower there (1.04x the step time at batch 8, 1.2-1.4x at 1 and 4): qgemv.PAIR_MIN_ROWS keeps
+those one tile a register.
 """
 
 from __future__ import annotations

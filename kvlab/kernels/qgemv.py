@@ -210,9 +210,9 @@ def dot_tiles(xq, dx, qbias, fsum, codes, scales, offsets, base_scales, base_off
 
 
 # Tile pairs (qdot.PAIRS) from this many rows of x: then a pair's codes are read from L1 for a second block
-# of eight rows and the products are bound by instructions, which pairs cut (a batch-16 step 0.80-0.84x the
-# time). At 8 rows each code is used once per step, the step streams the weights, and pairs measured
-# 1.04x the time (two code streams per thread instead of one); at 1-4 rows, 1.2-1.4x.
+# of eight rows and the products are bound by instructions, which pairs cut (a batch-16 step 0.74-0.86x the
+# time over three A/B runs). At 8 rows each code is used once per step, the step streams the weights, and
+# pairs measured 1.04x the time (two code streams per thread instead of one); at 1-4 rows, 1.2-1.4x.
 PAIR_MIN_ROWS = 16
 
 
