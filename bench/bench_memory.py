@@ -116,10 +116,8 @@ def stages(path: str, activations: str, prompt_text: str = PROMPT) -> dict:
         reset_peak()
 
     reset_peak()
-    import numpy as np
 
     import kvlab  # noqa: F401
-    from kvlab.gguf.loader import load_gguf
     from kvlab.kernels import qgemv  # noqa: F401  (numba and the kernels' modules)
     mark("imports (kvlab, numpy, numba)")
     from kvlab.loader import load

@@ -133,8 +133,8 @@ class EngineConfig:
             if num_blocks < 1:
                 raise ConfigError(f"kv_cache_memory {kv_cache_memory!r} holds no block of "
                                   f"{bytes_per_block + seat_bytes} bytes" + (
-                                      f" (a block of the full-attention layers and a sequence's sliding-window "
-                                      f"blocks)" if len(groups) > 1 else ""))
+                                      " (a block of the full-attention layers and a sequence's sliding-window "
+                                      "blocks)" if len(groups) > 1 else ""))
         seats = min(max_num_seqs, num_blocks)
         layouts = (GroupLayout(group_window(groups[0]), groups[0].layers, num_blocks, bytes_per_block),) + tuple(
             GroupLayout(group_window(g), g.layers, n * seats, size) for g, n, size in zip(groups[1:], per_seq,

@@ -40,8 +40,8 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from kvlab.kernels.attention_simd import dequantize_int4, dequantize_int8, simd_scores, simd_values, widen_run
-from kvlab.kernels.attention_formats import FLOAT, FP8_E4M3, FP8_E5M2, INT4, INT8, StoredCodes
-from kvlab.kernels.bits import as_kernel_array, widen
+from kvlab.kernels.attention_formats import FLOAT, FP8_E4M3, INT4, INT8, StoredCodes
+from kvlab.kernels.bits import as_kernel_array
 from kvlab.kernels.compile_names import renamed
 from kvlab.kernels.fastexp import fast_exp
 

@@ -26,7 +26,7 @@ tests/test_kernels.py holds to the NumPy reference through the model.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from kvlab.kernels.gemv import FASTMATH, products, rms_norm_rows, swiglu_batch
 

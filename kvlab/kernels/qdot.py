@@ -71,7 +71,6 @@ _V8I16 = ir.VectorType(ir.IntType(16), LANES)
 _V8I8 = ir.VectorType(_I8, LANES)
 _V8I32 = ir.VectorType(_I32, LANES)
 _V32I8 = ir.VectorType(_I8, LANES * QUAD)
-_V32I32 = ir.VectorType(_I32, LANES * QUAD)
 
 
 def _target_features() -> str:
@@ -129,16 +128,6 @@ def _concat(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
     """Two vectors of n lanes as one of 2n (a's lanes first): a tile pair's halves side by side."""
     n = a.type.count
     return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 2 * n), list(range(2 * n))))
-
-
-def _fma_any(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
-    """a * b + c rounded once, on 8 lanes (qsimd's) or 16 (llvm.fma.v16f32)."""
-    if a.type.count == LANES:
-        return _fma(builder, a, b, c)
-    module, vector = builder.module, a.type
-    name = f"llvm.fma.v{vector.count}f32"
-    fn = module.globals.get(name) or ir.Function(module, ir.FunctionType(vector, [vector] * 3), name=name)
-    return builder.call(fn, [a, b, c])
 
 
 def _load(builder: ir.IRBuilder, base: ir.Value, index: ir.Value, ty: ir.Type) -> ir.Value:
@@ -280,13 +269,13 @@ def _make_tile_dot(rows: int, pair: bool = False):
                     # qbias = bias * sum(q), taken off in int32 (exact)
                     dot = builder.sub(dot, _splat(builder, builder.load(builder.gep(qbs.data, [at])), vi32))
                     dxi = _splat(builder, builder.load(builder.gep(dxs.data, [at])), vf)
-                    builder.store(_fma_any(builder, scale, builder.fmul(builder.sitofp(dot, vf), dxi),
+                    builder.store(_fma(builder, scale, builder.fmul(builder.sitofp(dot, vf), dxi),
                                        builder.load(total[i])), total[i])
                 with builder.if_then(has_offsets, likely=True):
                     offset = lane_values(factored_offsets, False, offset_base, base_offset_row, lane0, g)
                     for i in range(rows):
                         fs = _splat(builder, builder.load(builder.gep(fss.data, [builder.add(sum_ix[i], g)])), vf)
-                        builder.store(_fma_any(builder, offset, fs, builder.load(total[i])), total[i])
+                        builder.store(_fma(builder, offset, fs, builder.load(total[i])), total[i])
             n0 = builder.mul(t_v, const(LANES))
             for i in range(rows):
                 row = builder.gep(outs.data, [builder.add(builder.mul(row_ix[i], n_out), n0)])

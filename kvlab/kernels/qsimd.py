@@ -41,11 +41,12 @@ _V8I32 = ir.VectorType(_I32, LANES)
 
 
 def _fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
-    """a * b + c on eight float32 lanes, rounded once (llvm.fma.v8f32 -> vfmadd on AVX2)."""
-    module = builder.module
-    fn = module.globals.get("llvm.fma.v8f32")
-    if fn is None:
-        fn = ir.Function(module, ir.FunctionType(_V8F, [_V8F, _V8F, _V8F]), name="llvm.fma.v8f32")
+    """a * b + c on float32 lanes, rounded once: llvm.fma.v8f32 (vfmadd on AVX2) or, for a tile pair's 16
+    lanes, llvm.fma.v16f32 (one zmm vfmadd)."""
+    vector = a.type
+    name = f"llvm.fma.v{vector.count}f32"
+    fn = builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(vector, [vector] * 3),
+                                                         name=name)
     return builder.call(fn, [a, b, c])
 
 

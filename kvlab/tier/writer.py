@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
 from kvlab.tier.backend import TierUnavailable
 from kvlab.tier.health import TierLink
