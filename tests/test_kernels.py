@@ -62,8 +62,8 @@ def test_linear_equals_numpy_twin(rows, out, depth, weight, compute, bias, seed)
        weight=st.sampled_from(WEIGHT_DTYPES), compute=st.sampled_from(["float32", "float64"]),
        seed=st.integers(0, 2**16))
 def test_tiled_products_equal_numpy_twin(rows, out, depth, weight, compute, seed):
-    """From TILE_MIN_ROWS rows, 4x2 register tiles over column blocks (several pairs per block here,
-    an odd last column, 1-3 rows past the last tile, depths that are no multiple of a vector)."""
+    """From TILE_MIN_ROWS rows, L2-sized column blocks with rows four, two and one at a time (several
+    columns per block here, 1-3 rows past the last block of four, depths that are no multiple of a vector)."""
     assert gemv.TILE_MIN_ROWS <= rows <= gemv.MAX_KERNEL_ROWS
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((rows, depth)).astype(compute)
@@ -458,8 +458,8 @@ def test_compiled_backend_equals_numpy_backend(name, batch, prefill, weights, kv
 @given(name=st.sampled_from(list(CONFIGS)), batch=st.integers(8, 16),
        weights=st.sampled_from(["float32", "bfloat16", "float16"]), seed=st.integers(0, 2**16))
 def test_batched_decode_in_register_tiles_equals_numpy_backend(name, batch, weights, seed):
-    """Batches of 8-16 rows decode through the fused block kernels' 2-D register tiles: the same logits
-    as the NumPy reference, to float32 rounding."""
+    """Batches of 8-16 rows decode through the fused block kernels' column blocks: the same logits as the
+    NumPy reference, to float32 rounding."""
     compiled, reference = model_pair(CONFIGS[name], np.float32, weights)
     ids = np.random.default_rng(seed).integers(0, 97, size=(batch, 7))
     got, want = run_schedule(compiled, ids, 3, None), run_schedule(reference, ids, 3, None)

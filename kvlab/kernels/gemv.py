@@ -2,12 +2,13 @@
 
 A decode step is a chain of products `x @ W.T` with x a few rows ([M, K], M = batch) and W a checkpoint
 matrix [N, K] ([out, in], as stored): it is bound by reading W. These kernels read each row of W once
-per step, widen half-precision elements in registers (see bits.py) and accumulate in float32 (float64
-for a float64 model), with output rows split over the threads. Below TILE_MIN_ROWS rows of x (memory-
-bound) the work items are single columns and rows of x go eight (then four) at a time: W's row, read and
-widened once, feeds eight accumulators. From TILE_MIN_ROWS rows (compute-bound), 16 rows of x no longer fit
-L1 and one column at a time re-read them from L2 for every column; there the work items are blocks of
-columns sized for L2, and 4 rows of x by 2 rows of W make a register tile (`matvec_block`).
+per step for each block of rows of x, widen half-precision elements in registers and accumulate in
+float32 (float64 for a float64 model), with output columns split over the threads. Every row of x is
+summed in one order whatever rows run beside it (kernels/fdot.py: rows four, two or one at a time, the
+same lanes and the same final additions), so a decode step, a batch and a speculative verification give
+a row the same bits up to MAX_KERNEL_ROWS rows. Below TILE_MIN_ROWS rows (memory-bound) a work item is
+eight columns; from it (compute-bound) a block of columns sized for L2, over which each block of rows
+of x passes.
 
 Paired forms keep a decode step's chains in compiled code: RMSNorm before a product (`norm_linear`),
 SwiGLU before the down projection (`swiglu_linear`). Larger M (prefill) goes to BLAS on a
@@ -20,93 +21,73 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from kvlab.kernels.bits import as_kernel_array, widen
 from kvlab.kernels.compile_names import renamed
 from kvlab.kernels.fastexp import fast_exp
+from kvlab.kernels.fdot import row_dot_1, row_dot_2, row_dot_4
 
 FASTMATH = {"reassoc", "contract"}  # vectorised sums; no assumptions about inf/nan (silu needs inf)
 MAX_KERNEL_ROWS = 16  # above this many rows of x, BLAS on widened weights is faster
-TILE_MIN_ROWS = 8  # from this many rows of x, 2-D register tiles (`matvec_block`)
+TILE_MIN_ROWS = 8  # from this many rows of x, work items are blocks of columns sized for L2 (`column_block`)
 TILE_BLOCK_BYTES = 128 * 1024  # the rows of w one work item holds in L2 while x's row blocks pass over them
 COLUMNS_PER_ITEM = 8  # below TILE_MIN_ROWS rows: output columns per parallel work item
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
-def matvec_column(x, w, out, zero, n):
-    """out[:, n] = x @ w[n], accumulated in zero's type (x's dtype): one output column, every row of x.
-
-    `zero` types the accumulators: written as a literal or `x[0] * 0`, LLVM does not vectorise the sum.
-    The parallel loops over n live in the callers (`_matvec` here, the fused decode layer).
-    """
+def _one_row_at_a_time(x, w, out, zero, n0, n1):
+    """out[:, n0:n1] for a float64 x (the seeds' models): every row of x alone against each row of w,
+    through one compiled loop, so a row's sum never depends on the rows beside it."""
     rows, depth = x.shape
-    wn = w[n]
-    for b in range(0, rows - 7, 8):
-        x0, x1, x2, x3 = x[b], x[b + 1], x[b + 2], x[b + 3]
-        x4, x5, x6, x7 = x[b + 4], x[b + 5], x[b + 6], x[b + 7]
-        a0, a1, a2, a3, a4, a5, a6, a7 = zero, zero, zero, zero, zero, zero, zero, zero
-        for k in range(depth):
-            v = widen(wn[k])
-            a0 += x0[k] * v
-            a1 += x1[k] * v
-            a2 += x2[k] * v
-            a3 += x3[k] * v
-            a4 += x4[k] * v
-            a5 += x5[k] * v
-            a6 += x6[k] * v
-            a7 += x7[k] * v
-        out[b, n], out[b + 1, n], out[b + 2, n], out[b + 3, n] = a0, a1, a2, a3
-        out[b + 4, n], out[b + 5, n], out[b + 6, n], out[b + 7, n] = a4, a5, a6, a7
-    for b in range(rows - rows % 8, rows - 3, 4):
-        x0, x1, x2, x3 = x[b], x[b + 1], x[b + 2], x[b + 3]
-        a0, a1, a2, a3 = zero, zero, zero, zero
-        for k in range(depth):
-            v = widen(wn[k])
-            a0 += x0[k] * v
-            a1 += x1[k] * v
-            a2 += x2[k] * v
-            a3 += x3[k] * v
-        out[b, n], out[b + 1, n], out[b + 2, n], out[b + 3, n] = a0, a1, a2, a3
-    for m in range(rows - rows % 4, rows):
-        xm = x[m]
-        acc = zero
-        for k in range(depth):
-            acc += xm[k] * widen(wn[k])
-        out[m, n] = acc
+    for n in range(n0, n1):
+        wn = w[n]
+        for m in range(rows):
+            xm = x[m]
+            acc = zero
+            for k in range(depth):
+                acc += xm[k] * widen(wn[k])
+            out[m, n] = acc
 
 
-@njit(fastmath=FASTMATH, cache=True, inline="always")
-def _tile_4x2(x, w, out, zero, m, n):
-    """out[m:m+4, n:n+2]: four rows of x by two rows of w, eight accumulators in registers.
+@njit(cache=True, inline="always")
+def _row_blocks(x, w, out, n0, n1):
+    """out[:, n0:n1] for a float32 x: rows of x four (then two, then one) at a time through fdot's kernels,
+    which sum every row in one order; each block of x stays in L1 while w[n0:n1] passes over it."""
+    rows = x.shape[0]
+    m = 0
+    while m + 4 <= rows:
+        for n in range(n0, n1):
+            row_dot_4(x, m, w, n, out)
+        m += 4
+    if m + 2 <= rows:
+        for n in range(n0, n1):
+            row_dot_2(x, m, w, n, out)
+        m += 2
+    if m < rows:
+        for n in range(n0, n1):
+            row_dot_1(x, m, w, n, out)
 
-    Each loaded (and widened) vector of w feeds four multiply-adds and each vector of x two, so the loop
-    does 6 loads per 8 FMAs (one-column blocks of 8 rows: 9 per 8, x re-read from L2 for every column).
-    Eight accumulators fill AVX2's 16 registers with the operands; a third column spilled (numba
-    inspect_asm on Zen 3)."""
-    depth = x.shape[1]
-    x0, x1, x2, x3 = x[m], x[m + 1], x[m + 2], x[m + 3]
-    w0, w1 = w[n], w[n + 1]
-    a00, a10, a20, a30, a01, a11, a21, a31 = zero, zero, zero, zero, zero, zero, zero, zero
-    for k in range(depth):
-        v0, v1 = widen(w0[k]), widen(w1[k])
-        a00 += x0[k] * v0
-        a10 += x1[k] * v0
-        a20 += x2[k] * v0
-        a30 += x3[k] * v0
-        a01 += x0[k] * v1
-        a11 += x1[k] * v1
-        a21 += x2[k] * v1
-        a31 += x3[k] * v1
-    out[m, n], out[m + 1, n], out[m + 2, n], out[m + 3, n] = a00, a10, a20, a30
-    out[m, n + 1], out[m + 1, n + 1], out[m + 2, n + 1], out[m + 3, n + 1] = a01, a11, a21, a31
+
+def _block(x, w, out, zero, n0, n1):  # pragma: no cover - numba compiles the overload below
+    raise NotImplementedError
+
+
+@overload(_block, inline="always")
+def _block_impl(x, w, out, zero, n0, n1):
+    if x.dtype == types.float32:
+        def float32_rows(x, w, out, zero, n0, n1):
+            _row_blocks(np.ascontiguousarray(x), w, out, n0, n1)
+        return float32_rows
+    return lambda x, w, out, zero, n0, n1: _one_row_at_a_time(x, w, out, zero, n0, n1)
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def column_block(rows, columns, depth, itemsize):
     """Output columns per parallel work item. Below TILE_MIN_ROWS rows, eight (prange hands each thread an
     equal run of items anyway; eight columns make the call into `matvec_block` cost nothing). From it, an
-    even count whose rows of w fit TILE_BLOCK_BYTES, so that w's block stays in L2 while each 4-row block
+    even count whose rows of w fit TILE_BLOCK_BYTES, so that w's block stays in L2 while each block of rows
     of x passes over it, and at most a 1/32 share of the columns, so that the threads' shares stay even."""
     if rows < TILE_MIN_ROWS:
         return COLUMNS_PER_ITEM
@@ -116,28 +97,14 @@ def column_block(rows, columns, depth, itemsize):
 
 @njit(fastmath=FASTMATH, cache=True)
 def matvec_block(x, w, out, zero, n0, n1):
-    """out[:, n0:n1] = x @ w[n0:n1].T. Fewer than TILE_MIN_ROWS rows (memory-bound: one pass over each
-    row of w, one stream): column by column. More: 4x2 register tiles over the block (compute-bound).
+    """out[:, n0:n1] = x @ w[n0:n1].T, each row of x summed in one order whatever rows run beside it
+    (kernels/fdot.py says why that needs LLVM vector code: a decode step, a batch and a speculative
+    verification must give a row the same bits). out has unit stride along its rows.
 
-    Called, not inlined: a fused layer runs three products, and inlining this body (its column loops
-    three times over, and the tiles) into each made numba's cold compile of one half-precision
-    `output_mlp` take ~80 s; called, it compiles once per signature and every caller links it."""
-    rows = x.shape[0]
-    if rows < TILE_MIN_ROWS:
-        for n in range(n0, n1):
-            matvec_column(x, w, out, zero, n)
-        return
-    tiled = rows - rows % 4
-    for m in range(0, tiled, 4):
-        for n in range(n0, n1 - 1, 2):
-            _tile_4x2(x, w, out, zero, m, n)
-    if (n1 - n0) % 2 or tiled < rows:  # the block's odd last column for the tiled rows; the last rows
-        rest_x, rest_out = x[tiled:], out[tiled:]
-        for n in range(n0, n1):
-            if n == n1 - 1 and (n1 - n0) % 2:
-                matvec_column(x[:tiled], w, out[:tiled], zero, n)
-            if tiled < rows:
-                matvec_column(rest_x, w, rest_out, zero, n)
+    Called, not inlined: a fused layer runs three products, and inlining the product loops into each made
+    numba's cold compile of one half-precision `output_mlp` take ~80 s; called, it compiles once per
+    signature and every caller links it."""
+    _block(x, w, out, zero, n0, n1)
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
