@@ -23,8 +23,10 @@ it comes as an int8 a group times a float32 base a super-block (model/qtiles.fac
 kernel rebuilds the same float32 scale as base * float(int), exact: 1 byte a group and row instead of 4
 (Q4_K's scales and offsets were a third of its bytes), three instructions per group shared by the rows.
 
-Where the CPU has no VNNI (AVX2-only parts such as Zen 3), the same IR multiplies widened int32 vectors
-and adds the four columns with shuffles: exact, slower. The choice is made from the features numba
+Where the CPU has AVX2 but no VNNI (Zen 3, Haswell to Skylake), codes and activations are widened to 16
+bits and `vpmaddwd` makes 16 products an instruction, adding them in pairs into int32 lanes (two a row,
+folded at the group's end: `MADD`); elsewhere (no AVX2) the same IR multiplies widened int32 vectors and
+adds the four columns with shuffles. Integer sums either way, so every path gives the same bits. The choice is made from the features numba
 compiles for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES or the host's).
 
 `tile_dot_R(xq, m0, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, t, out)` (R = 1..4
@@ -63,6 +65,7 @@ LANES = 8
 QUAD = 4  # columns per int32 lane of one vpdpbusd
 UNROLL = 2  # independent accumulators per row of x (the quad loop steps by this)
 _I8 = ir.IntType(8)
+_I16 = ir.IntType(16)
 _I32 = ir.IntType(32)
 _F32 = ir.FloatType()
 _V8F = ir.VectorType(_F32, LANES)
@@ -95,6 +98,10 @@ VNNI = has_vnni()
 WIDE = "+avx512vl" in set(_target_features().split(","))
 # two tiles in one zmm register (16 lanes): vpdpbusd on zmm and byte operations on 64 lanes
 PAIRS = {"+avx512f", "+avx512bw", "+avx512vnni"} <= set(_target_features().split(","))
+# AVX2 without VNNI (Zen 3, Haswell-Skylake): vpmaddwd on 16-bit widened codes and activations, 16 products
+# an instruction into pair sums, where the generic IR (widen to int32, vpmulld, column shuffles) spent
+# ~2.5 instructions per product
+MADD = not VNNI and "+avx2" in set(_target_features().split(","))
 
 
 def _splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.Value:
@@ -105,7 +112,26 @@ def _splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.
 
 def _dpbusd(builder: ir.IRBuilder, acc: ir.Value, codes: ir.Value, x4: ir.Value) -> ir.Value:
     """acc[r] + sum_{c<4} codes[4r + c] (unsigned) * x4 bytes[c] (signed), per int32 lane r (8 lanes, or 16
-    for a tile pair: `vpdpbusd` on zmm)."""
+    for a tile pair: `vpdpbusd` on zmm). Where MADD (AVX2 without VNNI), acc holds pair sums instead
+    (`acc_lanes`): lane 2r + p gets columns 2p and 2p + 1 of row r, by `vpmaddwd`; `fold_pairs` adds each
+    row's two at the group's end. Integer sums, so every path gives the same int32 totals."""
+    if MADD:
+        n = codes.type.count  # 32 bytes: a tile's 8 rows x 4 columns (64: a pair's)
+        splat = builder.bitcast(_splat(builder, x4, ir.VectorType(_I32, n // QUAD)), ir.VectorType(_I8, n))
+        x16 = builder.sext(splat, ir.VectorType(_I16, n))
+        c16 = builder.zext(codes, ir.VectorType(_I16, n))
+        name = "llvm.x86.avx2.pmadd.wd"
+        v16, v8 = ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
+        fn = builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(v8, [v16, v16]),
+                                                             name=name)
+        parts = []
+        for h in range(n // 16):  # four rows at a time: 16 products into 8 pair sums
+            pick = ir.Constant(ir.VectorType(_I32, 16), list(range(16 * h, 16 * h + 16)))
+            parts.append(builder.call(fn, [builder.shuffle_vector(c16, c16, pick),
+                                           builder.shuffle_vector(x16, x16, pick)]))
+        while len(parts) > 1:
+            parts = [_concat(builder, parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
+        return builder.add(acc, parts[0])
     lanes = acc.type.count
     x4v = _splat(builder, x4, ir.VectorType(_I32, lanes))
     if VNNI:
@@ -122,6 +148,22 @@ def _dpbusd(builder: ir.IRBuilder, acc: ir.Value, codes: ir.Value, x4: ir.Value)
                                                                 [QUAD * r + c for r in range(lanes)]))
         acc = builder.add(acc, column)
     return acc
+
+
+def acc_lanes(lanes: int) -> int:
+    """int32 lanes of an accumulator for `lanes` output rows: two per row where MADD (pair sums)."""
+    return 2 * lanes if MADD else lanes
+
+
+def fold_pairs(builder: ir.IRBuilder, dot: ir.Value) -> ir.Value:
+    """An accumulator as one int32 per row: MADD's pair sums added (lanes 2r and 2r + 1), else as it is."""
+    if not MADD:
+        return dot
+    rows = dot.type.count // 2
+    even, odd = ([2 * r + p for r in range(rows)] for p in (0, 1))
+    vector = ir.VectorType(_I32, rows)
+    return builder.add(builder.shuffle_vector(dot, dot, ir.Constant(vector, even)),
+                       builder.shuffle_vector(dot, dot, ir.Constant(vector, odd)))
 
 
 def _concat(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
@@ -220,7 +262,7 @@ def _make_tile_dot(rows: int, pair: bool = False):
             row_ix = [builder.add(m0_v, const(i)) for i in range(rows)]
             x_rows = [builder.gep(xs.data, [builder.mul(r, width)]) for r in row_ix]
             sum_ix = [builder.mul(r, sum_row) for r in row_ix]
-            zero_i = ir.Constant(vi32, [0] * lanes)
+            zero_i = ir.Constant(ir.VectorType(_I32, acc_lanes(lanes)), [0] * acc_lanes(lanes))
             zero_f = ir.Constant(vf, [0.0] * lanes)
             total = [cgutils.alloca_once_value(builder, zero_f) for _ in range(rows)]
             acc = [[cgutils.alloca_once_value(builder, zero_i) for _ in range(accs)] for _ in range(rows)]
@@ -264,6 +306,7 @@ def _make_tile_dot(rows: int, pair: bool = False):
                     dot = builder.load(acc[i][0])
                     for a in acc[i][1:]:
                         dot = builder.add(dot, builder.load(a))
+                    dot = fold_pairs(builder, dot)
                     at = builder.add(sum_ix[i], g)
                     # the codes went in as code + bias (int8 codes: + 128; Q4_0's nibbles: its -8 folded in):
                     # qbias = bias * sum(q), taken off in int32 (exact)
