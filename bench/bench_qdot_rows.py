@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from two_trees import add_arguments, compare, run_worker  # noqa: E402
 
 HERE = Path(__file__).resolve().parent.parent
 WORKER = r'''
@@ -52,37 +52,15 @@ print(json.dumps(result))
 
 def run(tree: Path, args: argparse.Namespace) -> dict[str, float]:
     """G multiply-adds/s per cell, measured in `tree` in a fresh process."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    spec = json.dumps([args.types, args.shape, args.rows, args.repeats])
-    out = subprocess.run([sys.executable, "-c", WORKER, str(tree), spec], env=env, check=True, cwd=tree,
-                         capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_worker(WORKER, tree, str(tree), json.dumps([args.types, args.shape, args.rows, args.repeats]))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--types", nargs="+", default=["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
-    p.add_argument("--shape", nargs=2, type=int, default=[1536, 512], metavar=("N", "K"))
-    p.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16])
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--old", type=Path, help="a second kvlab tree to run side by side (new = this checkout)")
+    add_arguments(p, [1, 2, 4, 8, 16])
     args = p.parse_args()
-    trees = {"new": HERE} if args.old is None else {"old": args.old.resolve(), "new": HERE}
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
-    for r in range(args.rounds):
-        order = list(trees) if r % 2 == 0 else list(reversed(trees))
-        for name in order:
-            runs[name].append(run(trees[name], args))
-    cells = list(runs["new"][0])
-    print(f"G multiply-adds/s, one thread, W {args.shape[0]}x{args.shape[1]}, best of {args.repeats}"
-          f" x {args.rounds} round(s)")
-    for cell in cells:
-        line = f"{cell:12s}" + "".join(f"  {name} {max(run[cell] for run in runs[name]):7.1f}" for name in trees)
-        if args.old is not None:
-            ratios = [new[cell] / old[cell] for new, old in zip(runs["new"], runs["old"])]
-            line += f"  new/old speed (median of rounds) {statistics.median(ratios):.3f}"
-        print(line)
+    compare(args, HERE, lambda tree: run(tree, args), "G multiply-adds/s", 12)
 
 
 if __name__ == "__main__":
