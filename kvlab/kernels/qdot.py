@@ -23,9 +23,11 @@ it comes as an int8 a group times a float32 base a super-block (model/qtiles.fac
 kernel rebuilds the same float32 scale as base * float(int), exact: 1 byte a group and row instead of 4
 (Q4_K's scales and offsets were a third of its bytes), three instructions per group shared by the rows.
 
-Where the CPU has AVX2 but no VNNI (Zen 3, Haswell to Skylake), codes and activations are widened to 16
-bits and `vpmaddwd` makes 16 products an instruction, adding them in pairs into int32 lanes (two a row,
-folded at the group's end: `MADD`); elsewhere (no AVX2) the same IR multiplies widened int32 vectors and
+Where the CPU has AVX2 but no VNNI (Zen 3, Haswell to Skylake: `MADD`), nibbles (0..15) go through
+`vpmaddubsw` (32 byte products into 16-bit pair sums, never saturated) and `vpmaddwd` by ones, llama.cpp's
+AVX2 arithmetic; 8-bit codes (up to 255, where a pair of products could pass 16 bits) are widened to 16
+bits with the activations, and `vpmaddwd` makes 16 products an instruction, adding them in pairs into
+int32 lanes (two a row, folded at the group's end); elsewhere (no AVX2) the same IR multiplies widened int32 vectors and
 adds the four columns with shuffles. Integer sums either way, so every path gives the same bits. The choice is made from the features numba
 compiles for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES or the host's).
 
@@ -110,25 +112,32 @@ def _splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.
                                   ir.Constant(ir.VectorType(_I32, vector.count), [0] * vector.count))
 
 
-def _dpbusd(builder: ir.IRBuilder, acc: ir.Value, codes: ir.Value, x4: ir.Value) -> ir.Value:
+def _dpbusd(builder: ir.IRBuilder, acc: ir.Value, codes: ir.Value, x4: ir.Value, nibbles: bool = False) -> ir.Value:
     """acc[r] + sum_{c<4} codes[4r + c] (unsigned) * x4 bytes[c] (signed), per int32 lane r (8 lanes, or 16
-    for a tile pair: `vpdpbusd` on zmm). Where MADD (AVX2 without VNNI), acc holds pair sums instead
-    (`acc_lanes`): lane 2r + p gets columns 2p and 2p + 1 of row r, by `vpmaddwd`; `fold_pairs` adds each
-    row's two at the group's end. Integer sums, so every path gives the same int32 totals."""
+    for a tile pair: `vpdpbusd` on zmm). Where MADD (AVX2 without VNNI): codes that are `nibbles` (0..15)
+    go through `vpmaddubsw` (32 byte products into 16-bit pair sums, at most 2 * 15 * 128: never saturated)
+    and `vpmaddwd` by ones (each row's four); 8-bit codes (up to 255: a pair of products could pass 16
+    bits) leave pair sums in the accumulator instead (`acc_lanes`): lane 2r + p gets columns 2p and 2p + 1
+    of row r, by `vpmaddwd` on codes widened to 16 bits, and `fold_pairs` adds each row's two at the group's
+    end. Integer sums, so every path gives the same int32 totals."""
+    if MADD and nibbles and codes.type.count == LANES * QUAD:
+        splat = builder.bitcast(_splat(builder, x4, _V8I32), _V32I8)
+        name = "llvm.x86.avx2.pmadd.ub.sw"
+        v16 = ir.VectorType(_I16, 16)
+        fn = builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(v16, [_V32I8] * 2),
+                                                             name=name)
+        pairs = builder.call(fn, [codes, splat])
+        return builder.add(acc, _madd_wd(builder, pairs, ir.Constant(v16, [1] * 16)))
     if MADD:
         n = codes.type.count  # 32 bytes: a tile's 8 rows x 4 columns (64: a pair's)
         splat = builder.bitcast(_splat(builder, x4, ir.VectorType(_I32, n // QUAD)), ir.VectorType(_I8, n))
         x16 = builder.sext(splat, ir.VectorType(_I16, n))
         c16 = builder.zext(codes, ir.VectorType(_I16, n))
-        name = "llvm.x86.avx2.pmadd.wd"
-        v16, v8 = ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
-        fn = builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(v8, [v16, v16]),
-                                                             name=name)
         parts = []
         for h in range(n // 16):  # four rows at a time: 16 products into 8 pair sums
             pick = ir.Constant(ir.VectorType(_I32, 16), list(range(16 * h, 16 * h + 16)))
-            parts.append(builder.call(fn, [builder.shuffle_vector(c16, c16, pick),
-                                           builder.shuffle_vector(x16, x16, pick)]))
+            parts.append(_madd_wd(builder, builder.shuffle_vector(c16, c16, pick),
+                                  builder.shuffle_vector(x16, x16, pick)))
         while len(parts) > 1:
             parts = [_concat(builder, parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
         return builder.add(acc, parts[0])
@@ -150,14 +159,23 @@ def _dpbusd(builder: ir.IRBuilder, acc: ir.Value, codes: ir.Value, x4: ir.Value)
     return acc
 
 
-def acc_lanes(lanes: int) -> int:
-    """int32 lanes of an accumulator for `lanes` output rows: two per row where MADD (pair sums)."""
-    return 2 * lanes if MADD else lanes
+def _madd_wd(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
+    """`vpmaddwd`: int32 lane j = a[2j] * b[2j] + a[2j + 1] * b[2j + 1] over 16 int16 lanes each (exact)."""
+    name = "llvm.x86.avx2.pmadd.wd"
+    v16, v8 = ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
+    fn = builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(v8, [v16, v16]), name=name)
+    return builder.call(fn, [a, b])
 
 
-def fold_pairs(builder: ir.IRBuilder, dot: ir.Value) -> ir.Value:
-    """An accumulator as one int32 per row: MADD's pair sums added (lanes 2r and 2r + 1), else as it is."""
-    if not MADD:
+def acc_lanes(lanes: int, nibbles: bool) -> int:
+    """int32 lanes of an accumulator for `lanes` output rows: two per row where MADD takes 8-bit codes
+    (pair sums), else one."""
+    return 2 * lanes if MADD and not (nibbles and lanes == LANES) else lanes
+
+
+def fold_pairs(builder: ir.IRBuilder, dot: ir.Value, rows: int) -> ir.Value:
+    """An accumulator as one int32 per output row: pair sums added (lanes 2r and 2r + 1), else as it is."""
+    if dot.type.count == rows:
         return dot
     rows = dot.type.count // 2
     even, odd = ([2 * r + p for r in range(rows)] for p in (0, 1))
@@ -262,7 +280,7 @@ def _make_tile_dot(rows: int, pair: bool = False):
             row_ix = [builder.add(m0_v, const(i)) for i in range(rows)]
             x_rows = [builder.gep(xs.data, [builder.mul(r, width)]) for r in row_ix]
             sum_ix = [builder.mul(r, sum_row) for r in row_ix]
-            zero_i = ir.Constant(ir.VectorType(_I32, acc_lanes(lanes)), [0] * acc_lanes(lanes))
+            zero_i = ir.Constant(ir.VectorType(_I32, acc_lanes(lanes, not signed)), [0] * acc_lanes(lanes, not signed))
             zero_f = ir.Constant(vf, [0.0] * lanes)
             total = [cgutils.alloca_once_value(builder, zero_f) for _ in range(rows)]
             acc = [[cgutils.alloca_once_value(builder, zero_i) for _ in range(accs)] for _ in range(rows)]
@@ -292,7 +310,7 @@ def _make_tile_dot(rows: int, pair: bool = False):
                         for i in range(rows):
                             a = acc[i][first % accs]
                             x4 = _load(builder, x_rows[i], kk, _I32)
-                            builder.store(_dpbusd(builder, builder.load(a), codes4, x4), a)
+                            builder.store(_dpbusd(builder, builder.load(a), codes4, x4, not signed), a)
                         first += 1
                     return first
 
@@ -306,7 +324,7 @@ def _make_tile_dot(rows: int, pair: bool = False):
                     dot = builder.load(acc[i][0])
                     for a in acc[i][1:]:
                         dot = builder.add(dot, builder.load(a))
-                    dot = fold_pairs(builder, dot)
+                    dot = fold_pairs(builder, dot, lanes)
                     at = builder.add(sum_ix[i], g)
                     # the codes went in as code + bias (int8 codes: + 128; Q4_0's nibbles: its -8 folded in):
                     # qbias = bias * sum(q), taken off in int32 (exact)
