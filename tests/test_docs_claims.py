@@ -25,9 +25,10 @@ def test_contributing_gives_the_suites_measured_duration():
     assert "about a minute" not in text
     said = re.search(r"The whole suite takes about (\d+) minutes on 2 cores .*?, and (\d+)-(\d+) minutes cold in CI",
                      text)
-    # measured 2026-12-06 evening with `CI=true bash .ci/run` in fresh clones: tests 14m29s and 15m54s cold
-    # (15m53s and 17m24s with the install), then 6m22s and 6m15s warm in the same clones
-    assert said and (int(said[1]), int(said[2]), int(said[3])) == (6, 14, 17)
+    # measured 2026-12-06 evening with `CI=true bash .ci/run` in fresh clones (Zen 4): tests 14m29s and 15m54s
+    # cold (15m53s and 17m24s with the install), then 6m22s and 6m15s warm in the same clones; late that day
+    # on a Zen 3 (AVX2) machine, 26m14s cold with the install
+    assert said and (int(said[1]), int(said[2]), int(said[3])) == (6, 14, 26)
 
 
 def test_generate_help_names_gguf_files_beside_hf_folders(capsys):
