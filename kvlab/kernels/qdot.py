@@ -27,9 +27,10 @@ Where the CPU has AVX2 but no VNNI (Zen 3, Haswell to Skylake: `MADD`), nibbles 
 `vpmaddubsw` (32 byte products into 16-bit pair sums, never saturated) and `vpmaddwd` by ones, llama.cpp's
 AVX2 arithmetic; 8-bit codes (up to 255, where a pair of products could pass 16 bits) are widened to 16
 bits with the activations, and `vpmaddwd` makes 16 products an instruction, adding them in pairs into
-int32 lanes (two a row, folded at the group's end); elsewhere (no AVX2) the same IR multiplies widened int32 vectors and
-adds the four columns with shuffles. Integer sums either way, so every path gives the same bits. The choice is made from the features numba
-compiles for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES or the host's).
+int32 lanes (two a row, folded at the group's end); elsewhere (no AVX2) the same IR multiplies widened
+int32 vectors and adds the four columns with shuffles. Integer sums either way, so every path gives the same
+bits. The choice is made from the features numba compiles for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES or the
+host's).
 
 `tile_dot_R(xq, m0, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, t, out)` (R = 1..4
 or 8 rows of x) writes out[m0:m0+R, 8t:8t+8]: xq int8 [M, K], dx float32 [M, G] the groups' scales, qbias
@@ -100,8 +101,8 @@ VNNI = has_vnni()
 WIDE = "+avx512vl" in set(_target_features().split(","))
 # two tiles in one zmm register (16 lanes): vpdpbusd on zmm and byte operations on 64 lanes
 PAIRS = {"+avx512f", "+avx512bw", "+avx512vnni"} <= set(_target_features().split(","))
-# AVX2 without VNNI (Zen 3, Haswell-Skylake): vpmaddwd on 16-bit widened codes and activations, 16 products
-# an instruction into pair sums, where the generic IR (widen to int32, vpmulld, column shuffles) spent
+# AVX2 without VNNI (Zen 3, Haswell-Skylake): vpmaddubsw + vpmaddwd for nibbles, vpmaddwd on 16-bit widened
+# codes for 8-bit ones (`_dpbusd`), where the generic IR (widen to int32, vpmulld, column shuffles) spent
 # ~2.5 instructions per product
 MADD = not VNNI and "+avx2" in set(_target_features().split(","))
 
@@ -177,7 +178,6 @@ def fold_pairs(builder: ir.IRBuilder, dot: ir.Value, rows: int) -> ir.Value:
     """An accumulator as one int32 per output row: pair sums added (lanes 2r and 2r + 1), else as it is."""
     if dot.type.count == rows:
         return dot
-    rows = dot.type.count // 2
     even, odd = ([2 * r + p for r in range(rows)] for p in (0, 1))
     vector = ir.VectorType(_I32, rows)
     return builder.add(builder.shuffle_vector(dot, dot, ir.Constant(vector, even)),
