@@ -136,18 +136,24 @@ def test_the_dot_layout_puts_four_columns_of_each_row_in_one_lane(tiles, groups,
 
 
 @needs_numba
-@pytest.mark.parametrize("vnni", [True, False])
-def test_both_code_paths_of_the_integer_kernel(monkeypatch, vnni):
-    """The VNNI instruction (where the CPU has it) and the generic IR for CPUs without: each compiled
-    here afresh, each equal to the reference, and the assembly holds vpdpbusd exactly when asked."""
+@pytest.mark.parametrize("path", ["vnni", "madd", "generic"])
+def test_every_code_path_of_the_integer_kernel(monkeypatch, path):
+    """The VNNI instruction (where the CPU has it), AVX2's vpmaddubsw (the sign trick for 8-bit codes) and
+    the generic IR for CPUs with neither: each compiled here afresh, each equal to the reference, and the
+    assembly holds the path's instructions."""
     from numba import njit
 
     from kvlab.kernels import qdot
     from kvlab.kernels.qgemv import round_rows
 
-    if vnni and not qdot.has_vnni():
+    features = set(qdot._target_features().split(","))
+    if path == "vnni" and not qdot.has_vnni():
         pytest.skip("the CPU has no AVX-512 VNNI / AVX-VNNI")
+    if path == "madd" and "+avx2" not in features:
+        pytest.skip("the CPU has no AVX2")
+    vnni = path == "vnni"
     monkeypatch.setattr(qdot, "VNNI", vnni)
+    monkeypatch.setattr(qdot, "MADD", path == "madd")
 
     @njit  # not cached: compiled with the flag as set now
     def first_tile(xq, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, out):
@@ -167,8 +173,10 @@ def test_both_code_paths_of_the_integer_kernel(monkeypatch, vnni):
         first_tile(*round_rows(x, matrix.group, layout[3]), *layout[:3], *layout[4:], out)
         want = rounded(x, matrix.group).astype(np.float64) @ matrix.dequantize(np.float64).T
         assert np.allclose(out, want, rtol=1e-5, atol=1e-6 * np.abs(want).max()), type_name
-        asm = "\n".join(first_tile.inspect_asm().values())
+        asm = first_tile.inspect_asm(first_tile.signatures[-1])  # this type's compile
         assert ("vpdpbusd" in asm) == vnni
+        assert ("vpmaddubsw" in asm) == (path == "madd")
+        assert ("vpsignb" in asm) == (path == "madd" and layout[3] == 128), type_name  # 8-bit codes
 
 
 @needs_numba

@@ -23,14 +23,14 @@ it comes as an int8 a group times a float32 base a super-block (model/qtiles.fac
 kernel rebuilds the same float32 scale as base * float(int), exact: 1 byte a group and row instead of 4
 (Q4_K's scales and offsets were a third of its bytes), three instructions per group shared by the rows.
 
-Where the CPU has AVX2 but no VNNI (Zen 3, Haswell to Skylake: `MADD`), nibbles (0..15) go through
-`vpmaddubsw` (32 byte products into 16-bit pair sums, never saturated) and `vpmaddwd` by ones, llama.cpp's
-AVX2 arithmetic; 8-bit codes (up to 255, where a pair of products could pass 16 bits) are widened to 16
-bits with the activations, and `vpmaddwd` makes 16 products an instruction, adding them in pairs into
-int32 lanes (two a row, folded at the group's end); elsewhere (no AVX2) the same IR multiplies widened
-int32 vectors and adds the four columns with shuffles. Integer sums either way, so every path gives the same
-bits. The choice is made from the features numba compiles for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES or the
-host's).
+Where the CPU has AVX2 but no VNNI (Zen 3, Haswell to Skylake: `MADD`), llama.cpp's AVX2 arithmetic:
+`vpmaddubsw` makes 32 byte products into 16-bit pair sums and `vpmaddwd` by ones adds each row's four.
+Nibbles (0..15) go in as they are (a pair sum is at most 2 * 15 * 127). 8-bit codes go in unflipped, by
+the sign trick: |code| (unsigned, shared by the rows) times the activation given the code's sign
+(`vpsignb`), so a pair sum is at most 2 * 128 * 127 and never saturates, and there is no bias to take
+off. Elsewhere (no AVX2) the same IR multiplies widened int32 vectors and adds the four columns with
+shuffles. Integer sums, so every path gives the same int32 totals and bits. The choice is made from the
+features numba compiles for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES or the host's).
 
 `tile_dot_R(xq, m0, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, t, out)` (R = 1..4
 or 8 rows of x) writes out[m0:m0+R, 8t:8t+8]: xq int8 [M, K], dx float32 [M, G] the groups' scales, qbias
@@ -101,9 +101,8 @@ VNNI = has_vnni()
 WIDE = "+avx512vl" in set(_target_features().split(","))
 # two tiles in one zmm register (16 lanes): vpdpbusd on zmm and byte operations on 64 lanes
 PAIRS = {"+avx512f", "+avx512bw", "+avx512vnni"} <= set(_target_features().split(","))
-# AVX2 without VNNI (Zen 3, Haswell-Skylake): vpmaddubsw + vpmaddwd for nibbles, vpmaddwd on 16-bit widened
-# codes for 8-bit ones (`_dpbusd`), where the generic IR (widen to int32, vpmulld, column shuffles) spent
-# ~2.5 instructions per product
+# AVX2 without VNNI (Zen 3, Haswell-Skylake): vpmaddubsw + vpmaddwd, for 8-bit codes by the sign trick
+# (`_dpbusd`), where the generic IR (widen to int32, vpmulld, column shuffles) spent ~2.5 instructions a product
 MADD = not VNNI and "+avx2" in set(_target_features().split(","))
 
 
@@ -113,35 +112,26 @@ def _splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.
                                   ir.Constant(ir.VectorType(_I32, vector.count), [0] * vector.count))
 
 
-def _dpbusd(builder: ir.IRBuilder, acc: ir.Value, codes: ir.Value, x4: ir.Value, nibbles: bool = False) -> ir.Value:
+def _dpbusd(builder: ir.IRBuilder, acc: ir.Value, codes: ir.Value, x4: ir.Value, nibbles: bool = False,
+            magnitudes: ir.Value | None = None) -> ir.Value:
     """acc[r] + sum_{c<4} codes[4r + c] (unsigned) * x4 bytes[c] (signed), per int32 lane r (8 lanes, or 16
-    for a tile pair: `vpdpbusd` on zmm). Where MADD (AVX2 without VNNI): codes that are `nibbles` (0..15)
-    go through `vpmaddubsw` (32 byte products into 16-bit pair sums, at most 2 * 15 * 128: never saturated)
-    and `vpmaddwd` by ones (each row's four); 8-bit codes (up to 255: a pair of products could pass 16
-    bits) leave pair sums in the accumulator instead (`acc_lanes`): lane 2r + p gets columns 2p and 2p + 1
-    of row r, by `vpmaddwd` on codes widened to 16 bits, and `fold_pairs` adds each row's two at the group's
-    end. Integer sums, so every path gives the same int32 totals."""
-    if MADD and nibbles and codes.type.count == LANES * QUAD:
+    for a tile pair: `vpdpbusd` on zmm). Where MADD (AVX2 without VNNI), by `vpmaddubsw` (32 byte products
+    into 16-bit pair sums) and `vpmaddwd` by ones (each row's four): `nibbles` (0..15) as they are, a pair
+    sum at most 2 * 15 * 127; 8-bit codes as signed `codes` with their `magnitudes` (|code|, `magnitude`),
+    the activations given each code's sign (`vpsignb`): sum codes[4r + c] * x4 bytes[c], signed, a pair sum
+    at most 2 * 128 * 127 (activations are within +-127), never saturated. Integer sums, so every path
+    gives the same int32 totals."""
+    if MADD and codes.type.count == LANES * QUAD and (nibbles or magnitudes is not None):
         splat = builder.bitcast(_splat(builder, x4, _V8I32), _V32I8)
+        unsigned = codes
+        if magnitudes is not None:
+            unsigned, splat = magnitudes, _psign(builder, splat, codes)
         name = "llvm.x86.avx2.pmadd.ub.sw"
         v16 = ir.VectorType(_I16, 16)
         fn = builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(v16, [_V32I8] * 2),
                                                              name=name)
-        pairs = builder.call(fn, [codes, splat])
+        pairs = builder.call(fn, [unsigned, splat])
         return builder.add(acc, _madd_wd(builder, pairs, ir.Constant(v16, [1] * 16)))
-    if MADD:
-        n = codes.type.count  # 32 bytes: a tile's 8 rows x 4 columns (64: a pair's)
-        splat = builder.bitcast(_splat(builder, x4, ir.VectorType(_I32, n // QUAD)), ir.VectorType(_I8, n))
-        x16 = builder.sext(splat, ir.VectorType(_I16, n))
-        c16 = builder.zext(codes, ir.VectorType(_I16, n))
-        parts = []
-        for h in range(n // 16):  # four rows at a time: 16 products into 8 pair sums
-            pick = ir.Constant(ir.VectorType(_I32, 16), list(range(16 * h, 16 * h + 16)))
-            parts.append(_madd_wd(builder, builder.shuffle_vector(c16, c16, pick),
-                                  builder.shuffle_vector(x16, x16, pick)))
-        while len(parts) > 1:
-            parts = [_concat(builder, parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
-        return builder.add(acc, parts[0])
     lanes = acc.type.count
     x4v = _splat(builder, x4, ir.VectorType(_I32, lanes))
     if VNNI:
@@ -160,28 +150,25 @@ def _dpbusd(builder: ir.IRBuilder, acc: ir.Value, codes: ir.Value, x4: ir.Value,
     return acc
 
 
+def _psign(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
+    """`vpsignb`: each byte of a negated where b's is negative, zeroed where b's is zero (32 bytes)."""
+    name = "llvm.x86.avx2.psign.b"
+    fn = builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(_V32I8, [_V32I8] * 2),
+                                                         name=name)
+    return builder.call(fn, [a, b])
+
+
+def magnitude(builder: ir.IRBuilder, codes: ir.Value) -> ir.Value:
+    """|code| of 32 signed bytes, read as unsigned (|-128| is 128), for the sign trick (`_dpbusd`)."""
+    return _psign(builder, codes, codes)
+
+
 def _madd_wd(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
     """`vpmaddwd`: int32 lane j = a[2j] * b[2j] + a[2j + 1] * b[2j + 1] over 16 int16 lanes each (exact)."""
     name = "llvm.x86.avx2.pmadd.wd"
     v16, v8 = ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
     fn = builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(v8, [v16, v16]), name=name)
     return builder.call(fn, [a, b])
-
-
-def acc_lanes(lanes: int, nibbles: bool) -> int:
-    """int32 lanes of an accumulator for `lanes` output rows: two per row where MADD takes 8-bit codes
-    (pair sums), else one."""
-    return 2 * lanes if MADD and not (nibbles and lanes == LANES) else lanes
-
-
-def fold_pairs(builder: ir.IRBuilder, dot: ir.Value, rows: int) -> ir.Value:
-    """An accumulator as one int32 per output row: pair sums added (lanes 2r and 2r + 1), else as it is."""
-    if dot.type.count == rows:
-        return dot
-    even, odd = ([2 * r + p for r in range(rows)] for p in (0, 1))
-    vector = ir.VectorType(_I32, rows)
-    return builder.add(builder.shuffle_vector(dot, dot, ir.Constant(vector, even)),
-                       builder.shuffle_vector(dot, dot, ir.Constant(vector, odd)))
 
 
 def _concat(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
@@ -222,6 +209,9 @@ def _make_tile_dot(rows: int, pair: bool = False):
 
         def codegen(context, builder, signature, args):
             xa, m0v, dxa, qba, fsa, ca, sa, oa, bsa, boa, tv, outa = args
+            # MADD takes 8-bit codes unflipped (the sign trick): their dot has no code + 128 to take off. Read
+            # here, at code generation, as `_dpbusd` reads MADD (numba caches an intrinsic's typing)
+            sign_trick = MADD and signed and not pair
             xs, dxs, qbs, fss, cs, ss, os_, bss, bos, outs = [
                 cgutils.create_struct_proxy(ty)(context, builder, value=v)
                 for ty, v in zip([signature.args[i] for i in (0, 2, 3, 4, 5, 6, 7, 8, 9, 11)],
@@ -280,7 +270,7 @@ def _make_tile_dot(rows: int, pair: bool = False):
             row_ix = [builder.add(m0_v, const(i)) for i in range(rows)]
             x_rows = [builder.gep(xs.data, [builder.mul(r, width)]) for r in row_ix]
             sum_ix = [builder.mul(r, sum_row) for r in row_ix]
-            zero_i = ir.Constant(ir.VectorType(_I32, acc_lanes(lanes, not signed)), [0] * acc_lanes(lanes, not signed))
+            zero_i = ir.Constant(vi32, [0] * lanes)
             zero_f = ir.Constant(vf, [0.0] * lanes)
             total = [cgutils.alloca_once_value(builder, zero_f) for _ in range(rows)]
             acc = [[cgutils.alloca_once_value(builder, zero_i) for _ in range(accs)] for _ in range(rows)]
@@ -302,7 +292,10 @@ def _make_tile_dot(rows: int, pair: bool = False):
                     if pair:
                         raw = _concat(builder, raw, _load(builder, builder.gep(codes_g, [tile_bytes]), at, _V32I8))
                     k = builder.add(k0, builder.mul(q, const(QUAD)))
-                    if signed:
+                    magnitudes = None
+                    if signed and sign_trick:  # the codes as they are, |code| shared by the rows
+                        parts, magnitudes = [(raw, k)], magnitude(builder, raw)
+                    elif signed:
                         parts = [(builder.xor(raw, flip), k)]
                     else:
                         parts = [(builder.and_(raw, low_mask), k), (builder.lshr(raw, four), builder.add(k, half))]
@@ -310,7 +303,7 @@ def _make_tile_dot(rows: int, pair: bool = False):
                         for i in range(rows):
                             a = acc[i][first % accs]
                             x4 = _load(builder, x_rows[i], kk, _I32)
-                            builder.store(_dpbusd(builder, builder.load(a), codes4, x4, not signed), a)
+                            builder.store(_dpbusd(builder, builder.load(a), codes4, x4, not signed, magnitudes), a)
                         first += 1
                     return first
 
@@ -324,11 +317,11 @@ def _make_tile_dot(rows: int, pair: bool = False):
                     dot = builder.load(acc[i][0])
                     for a in acc[i][1:]:
                         dot = builder.add(dot, builder.load(a))
-                    dot = fold_pairs(builder, dot, lanes)
                     at = builder.add(sum_ix[i], g)
-                    # the codes went in as code + bias (int8 codes: + 128; Q4_0's nibbles: its -8 folded in):
-                    # qbias = bias * sum(q), taken off in int32 (exact)
-                    dot = builder.sub(dot, _splat(builder, builder.load(builder.gep(qbs.data, [at])), vi32))
+                    # the codes went in as code + bias (int8 codes: + 128, but for the sign trick; Q4_0's
+                    # nibbles: its -8 folded in): qbias = bias * sum(q), taken off in int32 (exact)
+                    if not sign_trick:
+                        dot = builder.sub(dot, _splat(builder, builder.load(builder.gep(qbs.data, [at])), vi32))
                     dxi = _splat(builder, builder.load(builder.gep(dxs.data, [at])), vf)
                     builder.store(_fma(builder, scale, builder.fmul(builder.sitofp(dot, vf), dxi),
                                        builder.load(total[i])), total[i])
