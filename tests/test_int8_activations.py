@@ -353,3 +353,29 @@ def test_the_cli_takes_the_mode_and_refuses_it_for_a_float_model(q4_1_file):
     assert ok.returncode == 0 and "decode 4 tokens" in ok.stderr, ok.stderr
     refused = run("--activations", "q8", "-n", "4", "ROMEO:")
     assert refused.returncode == 2 and "has none" in refused.stderr and not refused.stdout
+
+
+@needs_numba
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
+def test_the_integer_products_at_their_extreme_codes_and_activations(type_name):
+    """Codes at their extremes (Q8_0's -128 and 127, every nibble 15) against activations at +-127, where
+    AVX2's 16-bit pair sums are largest (2 * 128 * 127 for the sign trick; eight of 2 * 15 * 127 an
+    accumulator for nibbles, `qdot.nibble_pairs`): any saturation or wrap would move a product by far more
+    than float32's rounding. Every row block (1..7 rows, and 16) against the float64 reference."""
+    rng = np.random.default_rng(5)
+    n, k = 16, 256
+    block, size = BLOCK_SIZES[type_name]
+    raw = np.zeros((n * k // block, size), dtype=np.uint8)
+    raw[:, 0:2] = np.array([1.0], dtype="<f2").view(np.uint8)  # d = 1
+    if type_name == "Q8_0":
+        raw[:, 2:] = rng.choice(np.array([-128, 127, -128], dtype=np.int8), size=(raw.shape[0], 32)).view(np.uint8)
+    else:
+        raw[:, size - 16:] = 0xFF  # every nibble 15 (Q4_1's m, bytes 2-3, left 0)
+    matrix = QuantizedMatrix.from_blocks(type_name, raw.reshape(n, -1), (n, k))
+    w = matrix.dequantize(np.float64)
+    assert np.abs(w).max() in (128.0, 15.0, 7.0)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 16):
+        x = rng.choice(np.array([-1.0, 1.0], dtype=np.float32), size=(rows, k))  # every activation +-127
+        want = rounded(x, matrix.group).astype(np.float64) @ w.T
+        got = matrix.matmul_t(x, True, "q8")
+        assert np.allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max()), (type_name, rows)

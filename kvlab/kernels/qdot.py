@@ -76,6 +76,7 @@ _V8H = ir.VectorType(ir.HalfType(), LANES)
 _V8I16 = ir.VectorType(ir.IntType(16), LANES)
 _V8I8 = ir.VectorType(_I8, LANES)
 _V8I32 = ir.VectorType(_I32, LANES)
+_V16I16 = ir.VectorType(_I16, 2 * LANES)
 _V32I8 = ir.VectorType(_I8, LANES * QUAD)
 
 
@@ -127,11 +128,12 @@ def _dpbusd(builder: ir.IRBuilder, acc: ir.Value, codes: ir.Value, x4: ir.Value,
         if magnitudes is not None:
             unsigned, splat = magnitudes, _psign(builder, splat, codes)
         name = "llvm.x86.avx2.pmadd.ub.sw"
-        v16 = ir.VectorType(_I16, 16)
-        fn = builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(v16, [_V32I8] * 2),
+        fn = builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(_V16I16, [_V32I8] * 2),
                                                              name=name)
         pairs = builder.call(fn, [unsigned, splat])
-        return builder.add(acc, _madd_wd(builder, pairs, ir.Constant(v16, [1] * 16)))
+        if acc.type == _V16I16:  # nibbles' pair sums kept in 16 bits (`nibble_pairs`)
+            return builder.add(acc, pairs)
+        return builder.add(acc, widen_pairs(builder, pairs))
     lanes = acc.type.count
     x4v = _splat(builder, x4, ir.VectorType(_I32, lanes))
     if VNNI:
@@ -161,6 +163,20 @@ def _psign(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
 def magnitude(builder: ir.IRBuilder, codes: ir.Value) -> ir.Value:
     """|code| of 32 signed bytes, read as unsigned (|-128| is 128), for the sign trick (`_dpbusd`)."""
     return _psign(builder, codes, codes)
+
+
+def widen_pairs(builder: ir.IRBuilder, pairs: ir.Value) -> ir.Value:
+    """16 int16 pair sums (a tile's 8 rows x 2) as each row's int32 sum: `vpmaddwd` by ones."""
+    return _madd_wd(builder, pairs, ir.Constant(_V16I16, [1] * 16))
+
+
+def nibble_pairs(rows_of_x: int, nibbles: bool, pair: bool) -> bool:
+    """Whether a tile's accumulators hold 16-bit pair sums (16 lanes, two a row), widened to int32 once a
+    group (`widen_pairs`) rather than once a product instruction: where MADD, for nibbles, below eight rows
+    of x (two accumulators a row). A pair sum is at most 2 * 15 * 127 = 3810, and an accumulator takes at
+    most eight a group (model/qtiles.NIBBLE_GROUP_MAX = 64 columns, four a sum, over two accumulators:
+    30480 < 32767), so 16 bits never wrap. Saves a vpmaddwd and makes the add 16-bit per 32 products."""
+    return MADD and nibbles and not pair and rows_of_x < 8
 
 
 def _madd_wd(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
@@ -212,6 +228,7 @@ def _make_tile_dot(rows: int, pair: bool = False):
             # MADD takes 8-bit codes unflipped (the sign trick): their dot has no code + 128 to take off. Read
             # here, at code generation, as `_dpbusd` reads MADD (numba caches an intrinsic's typing)
             sign_trick = MADD and signed and not pair
+            in_pairs = nibble_pairs(rows, not signed, pair)
             xs, dxs, qbs, fss, cs, ss, os_, bss, bos, outs = [
                 cgutils.create_struct_proxy(ty)(context, builder, value=v)
                 for ty, v in zip([signature.args[i] for i in (0, 2, 3, 4, 5, 6, 7, 8, 9, 11)],
@@ -270,7 +287,7 @@ def _make_tile_dot(rows: int, pair: bool = False):
             row_ix = [builder.add(m0_v, const(i)) for i in range(rows)]
             x_rows = [builder.gep(xs.data, [builder.mul(r, width)]) for r in row_ix]
             sum_ix = [builder.mul(r, sum_row) for r in row_ix]
-            zero_i = ir.Constant(vi32, [0] * lanes)
+            zero_i = ir.Constant(_V16I16, [0] * 16) if in_pairs else ir.Constant(vi32, [0] * lanes)
             zero_f = ir.Constant(vf, [0.0] * lanes)
             total = [cgutils.alloca_once_value(builder, zero_f) for _ in range(rows)]
             acc = [[cgutils.alloca_once_value(builder, zero_i) for _ in range(accs)] for _ in range(rows)]
@@ -314,9 +331,12 @@ def _make_tile_dot(rows: int, pair: bool = False):
                 lane0 = builder.mul(g, const(LANES))
                 scale = lane_values(factored, half_scales, scale_base, base_scale_row, lane0, g)
                 for i in range(rows):
-                    dot = builder.load(acc[i][0])
-                    for a in acc[i][1:]:
-                        dot = builder.add(dot, builder.load(a))
+                    sums = [builder.load(a) for a in acc[i]]
+                    if in_pairs:  # each accumulator widened apart: two together could pass 16 bits
+                        sums = [widen_pairs(builder, v) for v in sums]
+                    dot = sums[0]
+                    for v in sums[1:]:
+                        dot = builder.add(dot, v)
                     at = builder.add(sum_ix[i], g)
                     # the codes went in as code + bias (int8 codes: + 128, but for the sign trick; Q4_0's
                     # nibbles: its -8 folded in): qbias = bias * sum(q), taken off in int32 (exact)

@@ -22,6 +22,9 @@ import numpy as np
 from kvlab.model.ggml_quants import Unpacked
 
 LANES = 8
+# The widest nibble group the integer kernels take: on AVX2 without VNNI they keep nibbles' pair sums in 16
+# bits (kernels/qdot.nibble_pairs), eight sums of at most 2 * 15 * 127 an accumulator. Every GGUF type's is 32.
+NIBBLE_GROUP_MAX = 64
 
 
 def _interleave(values: np.ndarray, tiles: int, groups: int) -> np.ndarray:

@@ -23,8 +23,8 @@ from kvlab.errors import InputError
 from kvlab.model.ggml_quants import (BLOCK_SIZES, GROUPS, NIBBLE_TYPES, OFFSET_TYPES, Unpacked, dequantize,
                                      resident_bytes, unpack)
 from kvlab.model.act_quant import rounded
-from kvlab.model.qtiles import (LANES, expand_scales, factor_scales, from_dot_codes, gather_dot_codes, gather_rows,
-                                to_dot_codes, to_tiles)
+from kvlab.model.qtiles import (LANES, NIBBLE_GROUP_MAX, expand_scales, factor_scales, from_dot_codes,
+                                gather_dot_codes, gather_rows, to_dot_codes, to_tiles)
 
 MAX_KERNEL_ROWS = 16
 # Types kvlab can encode (llama.cpp's reference encoders in the gguf package); every ggml_quants type reads.
@@ -144,6 +144,9 @@ class QuantizedMatrix:
             return self._dot
 
     def _make_dot(self, t: Unpacked) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray, np.ndarray]:
+        if t.nibbles and self.group > NIBBLE_GROUP_MAX:  # no GGUF type: its nibble groups are 32 columns
+            raise ValueError(f"{self.type_name}: nibble groups of {self.group} columns are wider than the integer "
+                             f"kernels' 16-bit pair sums allow ({NIBBLE_GROUP_MAX})")
         codes = to_dot_codes(t.codes, self.tail.scales.shape[1])
         scales, offsets, base_scales, base_offsets = self._dot_scales(t)
         no_offsets = np.zeros((0, 0), dtype=np.float32)
