@@ -120,8 +120,9 @@ def _dpbusd(builder: ir.IRBuilder, acc: ir.Value, codes: ir.Value, x4: ir.Value,
     into 16-bit pair sums) and `vpmaddwd` by ones (each row's four): `nibbles` (0..15) as they are, a pair
     sum at most 2 * 15 * 127; 8-bit codes as signed `codes` with their `magnitudes` (|code|, `magnitude`),
     the activations given each code's sign (`vpsignb`): sum codes[4r + c] * x4 bytes[c], signed, a pair sum
-    at most 2 * 128 * 127 (activations are within +-127), never saturated. Integer sums, so every path
-    gives the same int32 totals."""
+    at most 2 * 128 * 127 (activations are within +-127), never saturated; an `acc` of 16 int16 lanes
+    (`nibble_pairs`) takes the pair sums as they are. Integer sums, so every path gives the same int32
+    totals."""
     if MADD and codes.type.count == LANES * QUAD and (nibbles or magnitudes is not None):
         splat = builder.bitcast(_splat(builder, x4, _V8I32), _V32I8)
         unsigned = codes
