@@ -171,20 +171,20 @@ def widen_pairs(builder: ir.IRBuilder, pairs: ir.Value) -> ir.Value:
     return _madd_wd(builder, pairs, ir.Constant(_V16I16, [1] * 16))
 
 
-def nibble_pairs(rows_of_x: int, nibbles: bool, pair: bool) -> bool:
+def nibble_pairs(accs: int, nibbles: bool, pair: bool) -> bool:
     """Whether a tile's accumulators hold 16-bit pair sums (16 lanes, two a row), widened to int32 once a
-    group (`widen_pairs`) rather than once a product instruction: where MADD, for nibbles, below eight rows
-    of x (two accumulators a row). A pair sum is at most 2 * 15 * 127 = 3810, and an accumulator takes at
+    group (`widen_pairs`) rather than once a product instruction: where MADD, for nibbles, when a row of x
+    has two accumulators (`accs`). A pair sum is at most 2 * 15 * 127 = 3810, and an accumulator takes at
     most eight a group (model/qtiles.NIBBLE_GROUP_MAX = 64 columns, four a sum, over two accumulators:
     30480 < 32767), so 16 bits never wrap. Saves a vpmaddwd and makes the add 16-bit per 32 products."""
-    return MADD and nibbles and not pair and rows_of_x < 8
+    return MADD and nibbles and not pair and accs >= 2
 
 
 def _madd_wd(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
     """`vpmaddwd`: int32 lane j = a[2j] * b[2j] + a[2j + 1] * b[2j + 1] over 16 int16 lanes each (exact)."""
     name = "llvm.x86.avx2.pmadd.wd"
-    v16, v8 = ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
-    fn = builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(v8, [v16, v16]), name=name)
+    fn = builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(_V8I32, [_V16I16] * 2),
+                                                         name=name)
     return builder.call(fn, [a, b])
 
 
@@ -229,7 +229,7 @@ def _make_tile_dot(rows: int, pair: bool = False):
             # MADD takes 8-bit codes unflipped (the sign trick): their dot has no code + 128 to take off. Read
             # here, at code generation, as `_dpbusd` reads MADD (numba caches an intrinsic's typing)
             sign_trick = MADD and signed and not pair
-            in_pairs = nibble_pairs(rows, not signed, pair)
+            in_pairs = nibble_pairs(accs, not signed, pair)
             xs, dxs, qbs, fss, cs, ss, os_, bss, bos, outs = [
                 cgutils.create_struct_proxy(ty)(context, builder, value=v)
                 for ty, v in zip([signature.args[i] for i in (0, 2, 3, 4, 5, 6, 7, 8, 9, 11)],
