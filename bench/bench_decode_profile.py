@@ -11,6 +11,8 @@ counts see the same minute of a shared machine):
     itself costs ~1 us a call, counted in "rest"): the fused qkv+RoPE calls, the fused output+MLP calls,
     attention (write K/V and attend), the LM head (the final norm + vocabulary product), and the rest
     (embedding, sampling-free Python of the layer loop, the wrappers);
+  * the same step with each block in one call (kernels/decode_block.py), run right after the split one in
+    every round: its best ms/step and the median of its per-round ratio to the three calls a layer;
   * the roofline of each part's bytes (its weights as kept; for attention the K/V it reads) at the
     streaming-read bandwidth measured in the same run (bench/roofline.py).
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -105,9 +108,14 @@ def patch_attention(timers: list[PartTimer]) -> None:
         cls.__call__ = timed
 
 
-def decode_round(model: LlamaModel, prompt: np.ndarray, steps: int, timer: PartTimer) -> tuple[float, dict]:
+def decode_round(model: LlamaModel, prompt: np.ndarray, steps: int, timer: PartTimer,
+                 fused: bool = False) -> tuple[float, dict]:
     """Mean step seconds over `steps` decode steps after a prefill of `prompt`, and the parts' seconds
-    per step (means over the same steps, so the parts add up to the step)."""
+    per step (means over the same steps, so the parts add up to the step). The parts are timed on the
+    three calls a layer; `fused`: each block in one call (kernels/decode_block.py), whose parts cannot
+    be told apart (all of it lands in 'rest')."""
+    if hasattr(model.ops, "fuse_decode"):
+        model.ops.fuse_decode = fused
     cache = model.new_cache(prompt.shape[0], capacity=prompt.shape[1] + steps + 1)
     model.forward(prompt, cache=cache, logits_to_keep=1)
     token = np.ones((prompt.shape[0], 1), dtype=np.int64)
@@ -182,7 +190,10 @@ def main() -> None:
     prompt = np.random.default_rng(0).integers(0, 1000, size=(args.batch, args.context))
     for name, model in models.items():  # compile outside the timed rounds
         decode_round(model, prompt[:, :4], 2, timers[name])
+        decode_round(model, prompt[:, :4], 2, timers[name], fused=True)
     best: dict[tuple[str, int], tuple[float, dict]] = {}
+    one_call: dict[tuple[str, int], float] = {}  # the step with each block in one call, best of the rounds
+    ratios: dict[tuple[str, int], list[float]] = defaultdict(list)  # its time / the three calls', per round
     bandwidth = 0.0
     for _ in range(args.repeats):
         bandwidth = max(bandwidth, measure_bandwidth(3))
@@ -192,13 +203,16 @@ def main() -> None:
                 got = decode_round(model, prompt, args.steps, timers[name])
                 if (name, threads) not in best or got[0] < best[(name, threads)][0]:
                     best[(name, threads)] = got
+                fused = decode_round(model, prompt, args.steps, timers[name], fused=True)[0]
+                one_call[(name, threads)] = min(one_call.get((name, threads), fused), fused)
+                ratios[(name, threads)].append(fused / got[0])
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown CPU")
     print(f"{cpu}; streaming read {bandwidth / 1e9:.1f} GB/s (2 threads, same run); batch {args.batch}, "
           f"context {args.context}; "
           f"best of {args.repeats} rounds of the mean of {args.steps} steps; thread counts alternate")
     print(f"{'model':<18}{'thr':>4}{'tok/s':>8}{'ms/step':>8}  " + "".join(f"{p:>17}" for p in PARTS)
-          + f"{'vs 1 thread':>13}")
+          + f"{'vs 1 thread':>13}{'one call':>10}{'one/three':>11}")
     for name, model in models.items():
         roof = part_bytes(model, args.context, args.batch)
         for threads in args.threads:
@@ -209,10 +223,13 @@ def main() -> None:
                 cells.append(f"{ms:>7.2f} ({ms / (1e3 * roof[part] / bandwidth):>4.1f}x)" if part in roof
                              else f"{ms:>7.2f}        ")
             ratio = best[(name, args.threads[0])][0] / step
+            fused = f"{1e3 * one_call[(name, threads)]:>10.2f}{statistics.median(ratios[(name, threads)]):>11.3f}"
             print(f"{name:<18}{threads:>4}{args.batch / step:>8.1f}{1e3 * step:>8.2f}  " + "".join(f"{c:>17}" for c in cells)
-                  + f"{ratio:>12.2f}x")
+                  + f"{ratio:>12.2f}x" + fused)
     print("parts: ms per step (x its roofline: the part's bytes at the streaming read; with a batch the products "
           "are bound by FMAs, not bytes); 'rest' has no bytes")
+    print("the parts are the three calls a layer makes unfused; 'one call': ms/step with each block in one call "
+          "(kernels/decode_block.py; best round), 'one/three': the median of its per-round ratio to the three calls")
     if args.bands:
         bands(bandwidth, args.repeats)
 

@@ -158,6 +158,9 @@ def test_paged_attention_takes_the_kernels_its_pool_allows(monkeypatch, backend,
     monkeypatch.setattr(seams, "paged_attention", counted("numpy", seams.paged_attention))
     config = tiny_config(head_dim=64, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
     model = LlamaModel(config, random_weights(config, 3, np.float32), dtype=np.float32, backend=backend)
+    # the attention seam's own paths: a float pool's decode step would otherwise run each block in one call
+    # (kernels/decode_block.py, the same kernel inside; tests/test_decode_block.py counts and compares it)
+    model.ops.fuse_decode = False
     engine = Engine(model, block_size=4, kv_cache_dtype=kv_dtype, kv_policy=policy)
     layers = config.num_hidden_layers
     engine.add_request("r", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=3, ignore_eos=True))

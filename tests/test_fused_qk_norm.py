@@ -41,17 +41,21 @@ def run_schedule(model: LlamaModel, ids: np.ndarray, prefill: int = 3) -> np.nda
 
 
 def fused_calls(model: LlamaModel, attribute: str, ids: np.ndarray) -> dict[str, int]:
-    """The fused kernels' calls (ops.`attribute`: "_fused" or "_qfused") over one decode step of ids."""
+    """The fused kernels' calls (ops.`attribute`: "_fused" or "_qfused") over one decode step of ids, taken
+    as two calls a layer (`fuse_decode` off: the one-call block runs the same two kernels inside, and
+    tests/test_decode_block.py holds it to them bit for bit)."""
     from fused_calls import CountingFused
 
     cache = model.new_cache(ids.shape[0])
     model.forward(ids[:, :-1], cache=cache)
     counting = CountingFused(getattr(model.ops, attribute))
     setattr(model.ops, attribute, counting)
+    model.ops.fuse_decode = False
     try:
         model.forward(ids[:, -1:], cache=cache)
     finally:
         setattr(model.ops, attribute, counting.module)
+        model.ops.fuse_decode = True
     return counting.calls
 
 

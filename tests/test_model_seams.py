@@ -41,6 +41,10 @@ class CountingOps:
         self.calls.append(("output_mlp", x.shape[0]))
         return self.ops.output_mlp(x, o, layer)
 
+    def decode_block(self, x, layer, rope, attention):
+        self.calls.append(("decode_block", x.shape[0]))
+        return self.ops.decode_block(x, layer, rope, attention)
+
 
 @pytest.mark.parametrize("backend", ["numba", "numpy"])
 def test_every_forward_runs_the_one_layer_loop(backend):
@@ -59,7 +63,9 @@ def test_every_forward_runs_the_one_layer_loop(backend):
                        np.array([0, 1, 2, 4]), np.array([2, 3]))
     logits = model.forward_batch(batch, pool)                                    # the engine's paged step
     assert logits.shape == (2, model.config.vocab_size)
-    assert counting.calls == loop(10) + loop(2) + loop(4)
+    # the compiled decode step runs each block in one call (kernels/decode_block.py): the same loop, fused
+    decode = [("decode_block", 2)] * layers if backend == "numba" else loop(2)
+    assert counting.calls == loop(10) + decode + loop(4)
 
 
 def test_model_imports_no_concrete_cache_class():

@@ -91,6 +91,11 @@ class Cache(Protocol):
         """Write the new rows of `layer`; return its whole storage arrays [B, H_kv, capacity, d] in the
         cache dtype (only when `in_place`)."""
 
+    def claim(self, layer: int, positions: np.ndarray,
+              dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, int] | None:
+        """`append` for a kernel that copies the new rows in itself: the layer's storage arrays and the row
+        the first new one goes to; None (nothing done) unless the rows are float rows of `dtype`."""
+
     def commit(self, num_new: int) -> None:
         """Make the rows written by the last round of `update`s part of the cache."""
 

@@ -165,8 +165,27 @@ class KVCache:
         self._write(layer, keys, values, positions)
         return self.store.storage(layer)
 
+    def claim(self, layer: int, positions: np.ndarray,
+              dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, int] | None:
+        """For a kernel that copies the new rows in itself (kernels/decode_block.py): `append`'s bookkeeping
+        for len(positions) new rows, then the layer's storage arrays [B, H_kv, capacity, d] and the row the
+        first new one goes to. None, with nothing done, where the store is not float rows of `dtype` (a
+        narrower float or a codec rounds what it writes)."""
+        if not isinstance(self.store, ContiguousStore) or self.store.dtype != dtype:
+            return None
+        row = self._claim(layer, len(positions), positions)
+        keys, values = self.store.storage(layer)
+        return keys, values, row
+
     def _write(self, layer: int, keys: np.ndarray, values: np.ndarray, positions: np.ndarray) -> int:
-        start, num_new = self._length, keys.shape[2]
+        row = self._claim(layer, keys.shape[2], positions)
+        self.store.write(layer, row, keys, values)
+        return self._length + keys.shape[2]
+
+    def _claim(self, layer: int, num_new: int, positions: np.ndarray) -> int:
+        """Room in `layer` for num_new rows after the committed ones (and, at layer 0, their positions);
+        returns the layer's row the first goes to."""
+        start = self._length
         end = start + num_new
         first = self._first[layer]
         if self.trims:  # each layer grows by its own rows
@@ -179,8 +198,7 @@ class KVCache:
                 grown[:start] = self._positions[:start]
                 self._positions = grown
             self._positions[start:end] = positions
-        self.store.write(layer, start - first, keys, values)
-        return end
+        return start - first
 
     def commit(self, num_new: int) -> None:
         self._length += int(num_new)

@@ -291,6 +291,33 @@ _decode_serial = njit(fastmath=FASTMATH, cache=True)(renamed(_decode_py, "_decod
 _NO_SCALES = np.zeros((1, 1, 1, 1), dtype=np.int16)  # what a float store passes for scales and zeros
 
 
+@njit(cache=True)
+def write_and_attend(qkv, heads, k_blocks, v_blocks, slot_blocks, slot_rows, tables, starts, ends, span, threads,
+                     scale, out, zero):
+    """A decode step's attention from the block's q/k/v rows, inside a one-call block (kernels/
+    decode_layer.decode_block): qkv [S, (H_q + 2 H_kv) d] as `qkv_rope` leaves them; row s's k and v
+    heads are written to row slot_rows[s] of block slot_blocks[s] of k_blocks, v_blocks ([blocks, H_kv,
+    block_size, d], a float pool of the compute dtype, or a contiguous cache's arrays with one block per
+    sequence), its q heads scaled, then `_decode` as model/attention.py calls it unfused: the same copy,
+    the same product by `scale` (no fastmath here, so it is not contracted into a later sum) and the
+    same kernel, so each row gets the unfused step's bits. Always the parallel variant: with no Python
+    between a layer's products, its worker is awake (PARALLEL_MIN_ROWS says why the unfused step is not)."""
+    seqs, kv_heads, d = qkv.shape[0], k_blocks.shape[1], k_blocks.shape[3]
+    scaled = np.empty((seqs, heads, d), dtype=qkv.dtype)
+    flat = scaled.reshape(seqs, heads * d)
+    for s in range(seqs):
+        row, block, slot = qkv[s], slot_blocks[s], slot_rows[s]
+        for h in range(kv_heads):
+            key, value = (heads + h) * d, (heads + kv_heads + h) * d
+            for i in range(d):
+                k_blocks[block, h, slot, i] = row[key + i]
+                v_blocks[block, h, slot, i] = row[value + i]
+        for i in range(heads * d):
+            flat[s, i] = row[i] * scale
+    _decode_parallel(scaled, k_blocks, _NO_SCALES, _NO_SCALES, v_blocks, _NO_SCALES, _NO_SCALES, FLOAT, 1, tables,
+                     starts, ends, span, threads, out, zero)
+
+
 def decode_kernel(rows: int):
     """The compiled kernel for a decode over `rows` key rows in all (sequences x KV heads x keys):
     `kernel(q, *kernel_operands(keys), *kernel_operands(values)[:3], kind, group, block_tables, starts,

@@ -21,6 +21,7 @@ only the two storage protocols, never a concrete cache class.
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import numpy as np
@@ -110,6 +111,22 @@ class ContiguousAttention:
     def attend(self, layer: int, q4: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarray:
         """The NumPy reference over gathered rows, with the layer's mask, scale and soft-cap."""
         return self.merge(attend(q4, keys, values, self.layer_plans[layer].mask, self.scale, self.logit_cap))
+
+    def fused_step(self, layer: int) -> tuple | None:
+        """This layer's attention as a one-call decode block takes it (kernels/decode_block.py: k/v storage,
+        slot blocks and rows, block tables, key ranges, span, threads, scale), with the cache's bookkeeping
+        for the new rows done; None where the step is not a decode over a float cache of the compute dtype
+        read in place (the layer then makes the three calls)."""
+        plan = self.layer_plans[layer]
+        if plan.decode is None or self.cache is None:
+            return None
+        claimed = self.cache.claim(layer, self.positions, self.dtype)
+        if claimed is None:
+            return None
+        keys, values, row = claimed
+        call = plan.decode
+        return (keys, values, call.tables[:, 0], np.full(self.batch, row, dtype=np.int64), call.tables, call.starts,
+                call.ends, call.span, call.threads, call.scale)
 
     def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         if not self.in_place:
@@ -208,7 +225,8 @@ class PagedAttention:
     """
 
     def __init__(self, pool: PagedKV, batch: BatchInput, config: ModelConfig, compiled: bool,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, dtype: np.dtype | None = None) -> None:
+        """`dtype`: the compute dtype; a decode step over a float pool of it may run fused (`fused_step`)."""
         self.batch_invariant = batch_invariant
         self.key_cache, self.value_cache = pool.key_cache, pool.value_cache
         self.causal = config.causal
@@ -242,9 +260,22 @@ class PagedAttention:
             from kvlab.kernels.attention import kernel_threads
 
             self.threads = kernel_threads()
+        # one-call blocks (`fused_step`): a float pool of the compute dtype, read in place, and every row of
+        # the step through the decode kernel: a decode step, or any step of batch-invariant attention
+        # (speculative verification rows and prefill chunks with int8 activations)
+        self.fusable = self.in_place and (self.only_decodes or batch_invariant) and dtype is not None and \
+            self.key_cache[0].dtype == dtype
         windows = layer_windows(config)
         plans = {w: _PagedPlan(self, batch, w) for w in dict.fromkeys(windows)}
         self.layer_plans = [plans[w] for w in windows]
+
+    def fused_step(self, layer: int) -> tuple | None:
+        """This layer's attention as a one-call decode block takes it (ContiguousAttention.fused_step says
+        what); None where the step is not only decodes over a float pool of the compute dtype."""
+        plan = self.layer_plans[layer]
+        if plan.fused is None:
+            return None
+        return (self.key_cache[layer], self.value_cache[layer], *plan.fused)
 
     def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         key_cache, value_cache = self.key_cache[layer], self.value_cache[layer]
@@ -316,6 +347,9 @@ class _PagedPlan:
 
                 self.decode_call = PagedDecodeCall(self.decode_tables, owner.decode_lens, self.decode_starts,
                                                    block_size, owner.kv_heads, owner.threads)
+        self.fused = None  # a one-call block's operands but the layer's storage (PagedAttention.fused_step)
+        if owner.fusable and owner.only_decodes and self.decode_call is not None:
+            self._fuse(owner, self.decode_call)
         if not owner.others or not (owner.in_place or owner.batch_invariant and owner.decode_in_place):
             return  # a decode step has no prefill chunk to plan
         from kvlab.kernels import prefill_attention
@@ -331,9 +365,39 @@ class _PagedPlan:
         ranged = [i for i in owner.others if self.ranges[i] is not None]
         if ranged and owner.batch_invariant:
             self.prefill = _RowsCall(ranged, owner.starts, self.ranges, tables, block_size, owner.kv_heads)
+            if owner.fusable and len(ranged) == len(owner.others):  # every row a one-query "sequence"
+                self._fuse(owner, self._every_row(owner, tables))
         elif ranged:
             self.prefill = _PrefillCall(prefill_attention, ranged, owner.starts, self.ranges,
                                         [tables[i] for i in ranged])
+
+
+    def _fuse(self, owner: "PagedAttention", call: object) -> None:
+        """The operands of a one-call block whose attention is `call` (a PagedDecodeCall over every row of
+        the step, in the flat batch's order), its new rows written through this plan's slot mapping."""
+        from kvlab.kernels.attention import SPAN
+
+        dtype = owner.key_cache[0].dtype
+        scale = dtype.type(1.0 / math.sqrt(owner.head_dim) if owner.scale is None else owner.scale)
+        self.fused = (self.slot_blocks, self.slot_rows, call.tables, call.starts, call.ends, SPAN, call.threads, scale)
+
+    def _every_row(self, owner: "PagedAttention", tables: list[list[int]]) -> object:
+        """One decode-kernel call over every row of the flat batch: a decode row with its sequence's key
+        range (its window's or policy's start), a prefill chunk's row with its own (`ranges`); the rows
+        `decode_call` and `prefill` take apart, with the same tables and ranges, so the same bits."""
+        from kvlab.kernels.attention import PagedDecodeCall
+
+        rows = len(owner.positions)
+        lo, hi = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
+        seq = np.repeat(np.arange(len(owner.starts) - 1), np.diff(owner.starts))
+        for j, i in enumerate(owner.decodes):
+            row = owner.starts[i]
+            lo[row] = 0 if self.decode_starts is None else self.decode_starts[j]
+            hi[row] = owner.context_lens[i]
+        for i in owner.others:
+            (first,), (last,) = self.ranges[i]
+            lo[owner.starts[i]:owner.starts[i + 1]], hi[owner.starts[i]:owner.starts[i + 1]] = first, last
+        return PagedDecodeCall(_padded(tables)[seq], hi, lo, owner.block_size, owner.kv_heads, owner.threads)
 
 
 def _stored(blocks: object) -> object:

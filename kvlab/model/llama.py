@@ -10,7 +10,9 @@ num_cached_tokens (start .. start + T - 1) and flattens the B rows into one batc
         ops.output_mlp(x, o, layer)              # output product, norm, SwiGLU MLP, both residuals
 
 then the final norm and LM head give logits, and the cache commits the new rows (only once every layer
-wrote). The engine's batched step (`forward_batch`) runs the same loop over its ragged flat batch with a
+wrote). On the compiled backend a decode step over a float cache of the compute dtype runs each block
+whose halves both fuse as one call instead (`ops.decode_block` with the operands of the attention's
+`fused_step`: kernels/decode_block.py), the same three steps with no Python between them, bit for bit. The engine's batched step (`forward_batch`) runs the same loop over its ragged flat batch with a
 PagedAttention over the block pool. Prefill, chunked prefill and decode are all this one path.
 
 Two seams: Ops is the math (`backend="numpy"`: the reference, the math as on the page; `"numba"`, the
@@ -299,9 +301,18 @@ class LlamaModel:
         (model/attention.py); returns the final residual stream [N, hidden], before the last norm."""
         x = self.embed_tokens(token_ids)  # a fresh [N, hidden] array: the residual stream, updated in place
         ropes, ops = {kind: self.rope(positions, kind) for kind in self.rope_tables.kinds}, self.ops
+        # a decode step over a float cache of the compute dtype: a block in one call where it fuses
+        fused = getattr(attention, "fused_step", None) if ops.compiled else None
+        rows = x.shape[0]
         with np.errstate(over="ignore"):  # swiglu's exp(-gate) may overflow to inf: correct, and silent
             for index, layer in enumerate(self._bound_layers):
-                q, k, v = ops.qkv_rope(x, layer, ropes[self.layer_rope[index]])
+                rope = ropes[self.layer_rope[index]]
+                if fused is not None and ops.block_fuses(layer, rows):
+                    step = fused(index)
+                    if step is not None:
+                        ops.decode_block(x, layer, rope, step)
+                        continue
+                q, k, v = ops.qkv_rope(x, layer, rope)
                 o = attention(index, q, k, v)
                 ops.output_mlp(x, o, layer)
         return x
@@ -346,7 +357,7 @@ class LlamaModel:
     def forward_batch(self, batch: BatchInput, pool: PagedKV) -> np.ndarray:
         """The engine's batched step: every scheduled token of every sequence, K/V in a block pool (new rows
         written through `batch.slot_mapping`). Returns logits [len(batch.logits_indices), vocab]."""
-        attention = PagedAttention(pool, batch, self.config, self.ops.compiled, self.ops.batch_invariant)
+        attention = PagedAttention(pool, batch, self.config, self.ops.compiled, self.ops.batch_invariant, self.dtype)
         x = self.run_layers(np.asarray(batch.token_ids, dtype=np.int64), batch.positions, attention)
         return self.final_logits(x[np.asarray(batch.logits_indices, dtype=np.int64)])
 

@@ -12,7 +12,9 @@ An Ops class is one way of doing that math, chosen once when the model is built:
   * `CompiledOps`, the numba kernels (kvlab/kernels/): a few rows (a decode step, up to MAX_KERNEL_ROWS
     tokens) go through the fused block kernels of kernels/decode_layer.py, two calls per layer that read
     bfloat16/float16 weights in place; more rows (a prefill) take the same products as BLAS calls on
-    widened weights (kernels/gemv.py), where the work is compute rather than memory.
+    widened weights (kernels/gemv.py), where the work is compute rather than memory. A decode step whose
+    attention can run inside the call too (`block_fuses`, and the attention's `fused_step`) makes one
+    call per layer: `decode_block` (kernels/decode_block.py), the two calls and attention between them.
 
 The two halves of a block fuse apart. `qkv_rope` fuses for every family: the kernels take the per-head
 q/k norms (Qwen3, Gemma 3) between the product and RoPE, and partial rotary (Phi-3) and NoPE (SmolLM3)
@@ -164,15 +166,18 @@ class CompiledOps(_Shapes):
 
     compiled = True
     batch_invariant = False  # a prefill's BLAS products sum in another order than a decode's fused kernels
+    fuse_decode = True  # a decode step's block in one call where it can (`block_fuses`)
 
     def __init__(self, config: ModelConfig, dtype: np.dtype) -> None:
         super().__init__(config)
         from kvlab.kernels import decode_layer, gemv  # numba loads only for this backend
 
-        self._gemv, self._fused = gemv, decode_layer
+        from kvlab.kernels.decode_block import decode_block
+
+        self._gemv, self._fused, self._decode_block = gemv, decode_layer, decode_block
         self.max_fused_rows = gemv.MAX_KERNEL_ROWS  # the gemv kernels' own limit: above it BLAS wins
         self._empty = np.zeros(0, dtype=dtype)
-        # scalars typed once: a decode step makes two kernel calls per layer, each a few microseconds
+        # scalars typed once: a decode step makes one to three kernel calls per layer, each a few microseconds
         self._eps, self._zero, self._half = dtype.type(self.eps), dtype.type(0), self.head_dim // 2
 
     def bind(self, layers: Sequence[Any]) -> list[Any]:
@@ -183,6 +188,22 @@ class CompiledOps(_Shapes):
         return [KernelLayer(layer, view(layer.w_qkv), vector(layer.b_qkv), vector(layer.q_norm),
                             vector(layer.k_norm), view(layer.w_o), vector(layer.b_o), view(layer.w_gate_up),
                             view(layer.w_down), layer.plain_mlp and self.fusable_mlp) for layer in layers]
+
+    def block_fuses(self, layer: Any, rows: int) -> bool:
+        """Whether `decode_block` can run this layer's block over `rows` decode rows in one call: both halves
+        fuse (the MLP is Llama's) and the rows are few enough for the fused kernels. False while
+        `fuse_decode` is off (benches time the three calls apart; tests compare the two ways)."""
+        return self.fuse_decode and layer.fused_mlp and rows <= self.max_fused_rows
+
+    def decode_block(self, x: np.ndarray, layer: Any, rope: Rope, attention: tuple) -> None:
+        """A decode step's whole block in one call (kernels/decode_block.py), where `block_fuses`:
+        `qkv_rope`, the attention whose operands `attention` holds (model/attention.py `fused_step`) and
+        `output_mlp`, x updated in place, with the bits the three calls give."""
+        rows, (cos, sin) = x.shape[0], rope
+        self._decode_block(x, layer.layer.input_norm, self._eps, layer.qkv, layer.b_qkv, layer.q_norm,
+                           layer.k_norm, self.heads, cos.reshape(rows, 2, self._half), sin.reshape(rows, 2, self._half),
+                           self.qk_heads, self._zero, attention, layer.o, layer.b_o, layer.layer.post_norm,
+                           layer.gate_up, layer.down)
 
     def _vector(self, vector: np.ndarray | None) -> np.ndarray:
         """A bias or norm as the kernels take it: an absent one as an empty array."""
@@ -316,6 +337,11 @@ class QuantizedOps(CompiledOps):
     def norm_linear(self, x: np.ndarray, norm: np.ndarray, w: Any,
                     bias: np.ndarray | None = None) -> np.ndarray:
         return self._linear(self._gemv.rms_norm(x, norm, self.eps), w, bias)
+
+    def block_fuses(self, layer: Any, rows: int) -> bool:
+        """Both halves fuse over quantized matrices (`bind`)."""
+        return (self.fuse_decode and isinstance(layer, QuantizedLayer) and layer.qkv is not None
+                and layer.o is not None and rows <= self.max_fused_rows)
 
     def qkv_rope(self, x: np.ndarray, layer: Any, rope: Rope) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if isinstance(layer, QuantizedLayer) and layer.qkv is not None and x.shape[0] <= self.max_fused_rows:

@@ -1,0 +1,75 @@
+"""A decoder block of a decode step in one compiled call: no Python, and no sleeping worker, between a
+layer's products.
+
+Unfused, the layer loop (model/llama.py `run_layers`) makes three calls a layer: `qkv_rope` (kernels/
+decode_layer.py, or qdecode_layer.py over quantized weights), attention (model/attention.py: the K/V
+write, the queries' scaling, kernels/attention.py's decode kernel) and `output_mlp`. Between them sit a
+few dozen microseconds of Python (attention's write, scaling and operand checks, the dispatchers' typing
+of a dozen arguments), long enough for numba's second thread to stop spinning and fall asleep, so the
+next product pays its wake-up (kernels/__init__.py). `decode_block` is the same three steps in one call:
+the same kernels, in the same order, with the same arithmetic (the K/V rows copied, the queries
+multiplied by the scale, the parallel decode kernel), so every row gets the bits the three calls give
+it (tests/test_decode_block.py holds them equal, bit for bit).
+
+It applies where all three steps read in place with no Python of their own: a layer whose both halves
+fuse (model/ops.py `block_fuses`), over a float cache of the compute dtype (a block pool's layers, or a
+contiguous cache's rows as one block per sequence), in a step whose every row goes through the decode
+kernel (model/attention.py `fused_step`): a decode step (one query per sequence), and in the engine with
+batch-invariant attention (int8 activations, the default for block-quantized files) any step, speculative
+verification rows and prefill chunks included, each row a one-query "sequence" with its own key range.
+Other steps (exact-mode prefill chunks, quantized or half-precision caches, whose writes round) take the
+three calls. The weights' kind picks the kernels when numba compiles: float matrices
+(2-D arrays) decode_layer's, quantized ones (kernel_args tuples) qdecode_layer's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, types
+from numba.extending import overload
+
+from kvlab.kernels import decode_layer, qdecode_layer
+from kvlab.kernels.attention import write_and_attend
+
+
+def _qkv_rope(x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, out, zero):
+    """decode_layer.qkv_rope for float matrices, qdecode_layer.qkv_rope for quantized ones."""
+
+
+def _output_mlp(x, attn, w_o, b_o, norm, eps, w_gate_up, w_down, zero):
+    """decode_layer.output_mlp for float matrices, qdecode_layer.output_mlp for quantized ones."""
+
+
+@overload(_qkv_rope)
+def _qkv_rope_impl(x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, out, zero):
+    if isinstance(w_qkv, types.Array):
+        return lambda x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, out, zero: \
+            decode_layer.qkv_rope(x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, out,
+                                  zero)
+    return lambda x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, out, zero: \
+        qdecode_layer.qkv_rope(x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, out, zero)
+
+
+@overload(_output_mlp)
+def _output_mlp_impl(x, attn, w_o, b_o, norm, eps, w_gate_up, w_down, zero):
+    if isinstance(w_o, types.Array):
+        return lambda x, attn, w_o, b_o, norm, eps, w_gate_up, w_down, zero: \
+            decode_layer.output_mlp(x, attn, w_o, b_o, norm, eps, w_gate_up, w_down, zero)
+    return lambda x, attn, w_o, b_o, norm, eps, w_gate_up, w_down, zero: \
+        qdecode_layer.output_mlp(x, attn, w_o, b_o, norm, eps, w_gate_up, w_down, zero)
+
+
+@njit(cache=True)
+def decode_block(x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, zero, attention, w_o,
+                 b_o, post_norm, w_gate_up, w_down):
+    """x [S, hidden] through one block, in place: `qkv_rope` (its arguments as there, its output a buffer
+    made here), attention.write_and_attend over `attention` (the tuple model/attention.py's `fused_step`
+    gives: k_blocks, v_blocks, slot_blocks, slot_rows, tables, starts, ends, span, threads, scale), then
+    `output_mlp` with the post-attention norm `post_norm`."""
+    seqs, d = x.shape[0], attention[0].shape[3]
+    qkv = np.empty((seqs, (rotated_heads + attention[0].shape[1]) * d), dtype=x.dtype)
+    _qkv_rope(x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, qkv, zero)
+    attn = np.empty((seqs, q_heads, d), dtype=x.dtype)
+    write_and_attend(qkv, q_heads, attention[0], attention[1], attention[2], attention[3], attention[4],
+                     attention[5], attention[6], attention[7], attention[8], attention[9], attn, zero)
+    _output_mlp(x, attn.reshape(seqs, q_heads * d), w_o, b_o, post_norm, eps, w_gate_up, w_down, zero)
