@@ -144,12 +144,13 @@ def test_a_fused_paged_decode_step_has_the_three_calls_bits(kind, variant, block
         assert np.array_equal(fused_pool.value_cache[layer], plain_pool.value_cache[layer]), layer
 
 
-@pytest.mark.parametrize("kind,variant", [("float32", 0), ("q8_0", 0), ("float32", 3)])
+@pytest.mark.parametrize("kind,variant", [("float32", 0), ("q8_0", 0), ("float32", 3), ("q4_1+q8", 3)])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_a_fused_contiguous_decode_step_has_the_three_calls_bits(kind, variant, batch):
     """`LlamaModel.forward` over a KVCache (the verifier's and the seeds' path): decode steps fused and not
     from the same prefill, past the cache's first growth (and, with a sliding window, past the rows it
-    gives back), give the same logits and cached rows."""
+    gives back), give the same logits and cached rows; with batch-invariant attention (int8 activations)
+    the prefill runs in one call a layer too."""
     model = model_of(kind, variant)
     ids = np.random.default_rng(batch).integers(0, model.config.vocab_size, (batch, 40))
     runs = []
@@ -163,7 +164,8 @@ def test_a_fused_contiguous_decode_step_has_the_three_calls_bits(kind, variant, 
             finally:
                 model.ops.fuse_decode = True
             if fuse:
-                assert counted.calls == 37 * model.config.num_hidden_layers
+                steps = 37 + model.ops.batch_invariant  # the prefill too, where every row takes the decode kernel
+                assert counted.calls == steps * model.config.num_hidden_layers
                 counted.calls = 0
     assert counted.calls == 0
     (fused, fused_cache), (plain, plain_cache) = runs
@@ -177,9 +179,10 @@ def test_a_fused_contiguous_decode_step_has_the_three_calls_bits(kind, variant, 
 
 
 def test_the_fused_block_runs_only_where_its_steps_read_in_place():
-    """Not fused: a prefill, speculative verification rows (several queries of one sequence), a float16
-    or an int8 cache (their writes round), the NumPy backend, and a layer whose MLP half is Gemma's; the
-    outputs there are the three calls' (the tests above hold them to the reference)."""
+    """Not fused, with exact products (whose prefill attention is not the decode kernel's): a prefill,
+    speculative verification rows (several queries of one sequence), a float16 or an int8 cache (their
+    writes round), the NumPy backend, and a layer whose MLP half is Gemma's; the outputs there are the
+    three calls' (the tests above hold them to the reference)."""
     from kvlab.config import tiny_config
     from kvlab.model.llama import LlamaModel
 

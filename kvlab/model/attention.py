@@ -113,20 +113,23 @@ class ContiguousAttention:
         return self.merge(attend(q4, keys, values, self.layer_plans[layer].mask, self.scale, self.logit_cap))
 
     def fused_step(self, layer: int) -> tuple | None:
-        """This layer's attention as a one-call decode block takes it (kernels/decode_block.py: k/v storage,
-        slot blocks and rows, block tables, key ranges, span, threads, scale), with the cache's bookkeeping
-        for the new rows done; None where the step is not a decode over a float cache of the compute dtype
-        read in place (the layer then makes the three calls)."""
+        """This layer's attention as a one-call block takes it (kernels/decode_block.py: k/v storage, slot
+        blocks and rows, block tables, key ranges, span, threads, scale), with the cache's bookkeeping for
+        the new rows done; None where the step's rows do not all go through the decode kernel (a decode
+        step, or any step of batch-invariant attention) over a float cache of the compute dtype read in
+        place (the layer then makes the three calls)."""
         plan = self.layer_plans[layer]
-        if plan.decode is None or self.cache is None:
+        call = plan.decode if plan.decode is not None else plan.rows  # rows: batch-invariant, any step
+        if call is None or self.cache is None:
             return None
         claimed = self.cache.claim(layer, self.positions, self.dtype)
         if claimed is None:
             return None
         keys, values, row = claimed
-        call = plan.decode
-        return (keys, values, call.tables[:, 0], np.full(self.batch, row, dtype=np.int64), call.tables, call.starts,
-                call.ends, call.span, call.threads, call.scale)
+        # row b * T + t of the flat batch goes to row `row + t` of sequence b's (one) block
+        slot_rows = np.tile(np.arange(row, row + self.num_new, dtype=np.int64), self.batch)
+        return (keys, values, call.tables[:, 0], slot_rows, call.tables, call.starts, call.ends, call.span,
+                call.threads, call.scale)
 
     def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         if not self.in_place:
