@@ -294,14 +294,15 @@ _NO_SCALES = np.zeros((1, 1, 1, 1), dtype=np.int16)  # what a float store passes
 @njit(cache=True)
 def write_and_attend(qkv, heads, k_blocks, v_blocks, slot_blocks, slot_rows, tables, starts, ends, span, threads,
                      scale, out, zero):
-    """A decode step's attention from the block's q/k/v rows, inside a one-call block (kernels/
-    decode_layer.decode_block): qkv [S, (H_q + 2 H_kv) d] as `qkv_rope` leaves them; row s's k and v
-    heads are written to row slot_rows[s] of block slot_blocks[s] of k_blocks, v_blocks ([blocks, H_kv,
-    block_size, d], a float pool of the compute dtype, or a contiguous cache's arrays with one block per
-    sequence), its q heads scaled, then `_decode` as model/attention.py calls it unfused: the same copy,
-    the same product by `scale` (no fastmath here, so it is not contracted into a later sum) and the
-    same kernel, so each row gets the unfused step's bits. Always the parallel variant: with no Python
-    between a layer's products, its worker is awake (PARALLEL_MIN_ROWS says why the unfused step is not)."""
+    """Attention from a block's q/k/v rows inside a one-call block (kernels/decode_block.py), each row a
+    one-query "sequence" of the decode kernel: qkv [S, (H_q + 2 H_kv) d] as `qkv_rope` leaves them; row
+    s's k and v heads are written to row slot_rows[s] of block slot_blocks[s] of k_blocks, v_blocks
+    ([blocks, H_kv, block_size, d], a float pool of the compute dtype, or a contiguous cache's arrays with
+    one block per sequence), every row's before any attends (as the unfused write does), its q heads
+    scaled, then `_decode` as model/attention.py calls it unfused: the same copy, the same product by
+    `scale` (no fastmath here, so it is not contracted into a later sum) and the same kernel, so each row
+    gets the unfused step's bits. Always the parallel variant: with no Python between a layer's products,
+    its worker is awake (PARALLEL_MIN_ROWS says why the unfused step is not)."""
     seqs, kv_heads, d = qkv.shape[0], k_blocks.shape[1], k_blocks.shape[3]
     scaled = np.empty((seqs, heads, d), dtype=qkv.dtype)
     flat = scaled.reshape(seqs, heads * d)

@@ -229,7 +229,7 @@ class PagedAttention:
 
     def __init__(self, pool: PagedKV, batch: BatchInput, config: ModelConfig, compiled: bool,
                  batch_invariant: bool = False, dtype: np.dtype | None = None) -> None:
-        """`dtype`: the compute dtype; a decode step over a float pool of it may run fused (`fused_step`)."""
+        """`dtype`: the compute dtype; a step over a float pool of it may run in one call a layer (`fused_step`)."""
         self.batch_invariant = batch_invariant
         self.key_cache, self.value_cache = pool.key_cache, pool.value_cache
         self.causal = config.causal
@@ -273,8 +273,9 @@ class PagedAttention:
         self.layer_plans = [plans[w] for w in windows]
 
     def fused_step(self, layer: int) -> tuple | None:
-        """This layer's attention as a one-call decode block takes it (ContiguousAttention.fused_step says
-        what); None where the step is not only decodes over a float pool of the compute dtype."""
+        """This layer's attention as a one-call block takes it (ContiguousAttention.fused_step says what);
+        None unless every row of the step goes through the decode kernel (only decodes, or batch-invariant
+        attention with every prefill chunk's keys one run per query) over a float pool of the compute dtype."""
         plan = self.layer_plans[layer]
         if plan.fused is None:
             return None
@@ -373,7 +374,6 @@ class _PagedPlan:
         elif ranged:
             self.prefill = _PrefillCall(prefill_attention, ranged, owner.starts, self.ranges,
                                         [tables[i] for i in ranged])
-
 
     def _fuse(self, owner: "PagedAttention", call: object) -> None:
         """The operands of a one-call block whose attention is `call` (a PagedDecodeCall over every row of

@@ -10,10 +10,12 @@ num_cached_tokens (start .. start + T - 1) and flattens the B rows into one batc
         ops.output_mlp(x, o, layer)              # output product, norm, SwiGLU MLP, both residuals
 
 then the final norm and LM head give logits, and the cache commits the new rows (only once every layer
-wrote). On the compiled backend a decode step over a float cache of the compute dtype runs each block
-whose halves both fuse as one call instead (`ops.decode_block` with the operands of the attention's
-`fused_step`: kernels/decode_block.py), the same three steps with no Python between them, bit for bit. The engine's batched step (`forward_batch`) runs the same loop over its ragged flat batch with a
-PagedAttention over the block pool. Prefill, chunked prefill and decode are all this one path.
+wrote). On the compiled backend, a step whose rows all take the decode kernel (a decode step; any step
+with batch-invariant attention) over a float cache of the compute dtype runs each block whose halves both
+fuse as one call instead (`ops.decode_block` with the operands of the attention's `fused_step`:
+kernels/decode_block.py), the same three steps with no Python between them, bit for bit. The engine's
+batched step (`forward_batch`) runs the same loop over its ragged flat batch with a PagedAttention over
+the block pool. Prefill, chunked prefill and decode are all this one path.
 
 Two seams: Ops is the math (`backend="numpy"`: the reference, the math as on the page; `"numba"`, the
 default where numba imports: compiled kernels that read bfloat16/float16 weights in place and compute in
@@ -301,7 +303,7 @@ class LlamaModel:
         (model/attention.py); returns the final residual stream [N, hidden], before the last norm."""
         x = self.embed_tokens(token_ids)  # a fresh [N, hidden] array: the residual stream, updated in place
         ropes, ops = {kind: self.rope(positions, kind) for kind in self.rope_tables.kinds}, self.ops
-        # a decode step over a float cache of the compute dtype: a block in one call where it fuses
+        # a block in one call where it fuses and the attention can run inside it (`fused_step`)
         fused = getattr(attention, "fused_step", None) if ops.compiled else None
         rows = x.shape[0]
         with np.errstate(over="ignore"):  # swiglu's exp(-gate) may overflow to inf: correct, and silent

@@ -171,7 +171,6 @@ class CompiledOps(_Shapes):
     def __init__(self, config: ModelConfig, dtype: np.dtype) -> None:
         super().__init__(config)
         from kvlab.kernels import decode_layer, gemv  # numba loads only for this backend
-
         from kvlab.kernels.decode_block import decode_block
 
         self._gemv, self._fused, self._decode_block = gemv, decode_layer, decode_block
