@@ -1,10 +1,12 @@
 """A decode step's block in one compiled call (kvlab/kernels/decode_block.py) gives every row the bits the
-three calls give it (`qkv_rope`, attention, `output_mlp`), in the engine's paged pool and in a contiguous
-cache; and it runs where it should and nowhere else.
+three calls give it (`qkv_rope`, attention, `output_mlp`), in the engine's paged pool (float rows or
+int8 / int4 / fp8 codes) and in a contiguous cache, in decode steps and, with batch-invariant attention,
+in prefill and verification steps; and it runs where it should and nowhere else.
 
 The one call is the three calls' arithmetic with no Python between them, so the comparison is equality
-of every logit and of every K/V row written, never a tolerance. Both ways are also held to the NumPy
-reference through the model's other tests (and `kvlab verify`), which this file does not repeat.
+of every logit and of every K/V row, code and scale written, never a tolerance. Both ways are also held
+to the NumPy reference through the model's other tests (and `kvlab verify`); one test here does it
+directly, within the measured rounding.
 """
 
 from __future__ import annotations
@@ -68,11 +70,14 @@ class Counted:
         self.model.ops._decode_block = self.inner
 
 
-def paged_run(model, prompts: list[list[int]], steps: int, block_size: int, fuse: bool, seed: int):
+def paged_run(model, prompts: list[list[int]], steps: int, block_size: int, fuse: bool, seed: int,
+              kv_dtype: str | None = None):
     """Prefill every prompt in one batch, then `steps` decode steps of every sequence (each feeds its own
     greedy token), then a step of three tokens a sequence (speculative verification's shape), over a
-    BlockPool whose blocks are handed out in a shuffled order. Returns each step's logits and the pool,
-    with `ops.fuse_decode` set to `fuse` throughout."""
+    BlockPool whose blocks are handed out in a shuffled order (`kv_dtype`: float rows of the compute
+    dtype, or a codes format). Returns each step's logits and the pool, with `ops.fuse_decode` set to
+    `fuse` throughout."""
+    from kvlab.cache.dtypes import resolve_kv_dtype
     from kvlab.cache.paged import BlockPool
     from kvlab.model.batch import BatchInput
 
@@ -84,8 +89,8 @@ def paged_run(model, prompts: list[list[int]], steps: int, block_size: int, fuse
     for n in need:
         tables.append(order[used:used + n])
         used += n
-    pool = BlockPool(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, model.dtype, block_size,
-                     sum(need) + 3, compute_dtype=model.dtype)
+    pool = BlockPool(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
+                     resolve_kv_dtype(kv_dtype, model.dtype), block_size, sum(need) + 3, compute_dtype=model.dtype)
 
     def slots(seq: int, positions: list[int]) -> list[int]:
         return [tables[seq][p // block_size] * block_size + p % block_size for p in positions]
@@ -118,21 +123,25 @@ def paged_run(model, prompts: list[list[int]], steps: int, block_size: int, fuse
     return logits, pool
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(kind=st.sampled_from(KINDS), variant=st.integers(0, len(VARIANTS) - 1), block_size=st.integers(1, 9),
        prompt_lens=st.lists(st.integers(1, 12), min_size=1, max_size=4), steps=st.integers(1, 5),
-       seed=st.integers(0, 2**16))
-def test_a_fused_paged_decode_step_has_the_three_calls_bits(kind, variant, block_size, prompt_lens, steps, seed):
-    """The engine's decode steps, fused and not, over the same shuffled pool: the same logits and the same
-    K/V in every block, bit for bit; the fused run made one call per layer and decode step."""
+       kv_dtype=st.sampled_from([None, None, "int8", "int4", "fp8_e4m3"]), seed=st.integers(0, 2**16))
+def test_a_fused_paged_decode_step_has_the_three_calls_bits(kind, variant, block_size, prompt_lens, steps, kv_dtype,
+                                                            seed):
+    """The engine's decode steps, fused and not, over the same shuffled pool (float rows, or codes the
+    one call quantizes with the pool's own writer): the same logits and the same K/V (codes, scales and
+    zeros) in every block, bit for bit; the fused run made one call per layer and decode step."""
+    if kv_dtype is not None and kind == "float64":
+        kv_dtype = None  # codes are quantized from float32 rows (the engine's compute dtype for them)
     model = model_of(kind, variant)
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, model.config.vocab_size, n).tolist() for n in prompt_lens]
     with Counted(model) as counted:
-        fused, fused_pool = paged_run(model, prompts, steps, block_size, True, seed)
+        fused, fused_pool = paged_run(model, prompts, steps, block_size, True, seed, kv_dtype)
         calls = counted.calls
         counted.calls = 0
-        plain, plain_pool = paged_run(model, prompts, steps, block_size, False, seed)
+        plain, plain_pool = paged_run(model, prompts, steps, block_size, False, seed, kv_dtype)
     # one call a layer in every decode step (a prefill of one-token prompts is one too); with batch-invariant
     # attention (int8 activations) in every step, prefill and verification rows included
     fused_steps = steps + 2 if model.ops.batch_invariant else steps + all(n == 1 for n in prompt_lens)
@@ -140,8 +149,14 @@ def test_a_fused_paged_decode_step_has_the_three_calls_bits(kind, variant, block
     for step, (a, b) in enumerate(zip(fused, plain)):
         assert np.array_equal(a, b), (step, float(np.abs(a - b).max()))
     for layer in range(model.config.num_hidden_layers):
-        assert np.array_equal(fused_pool.key_cache[layer], plain_pool.key_cache[layer]), layer
-        assert np.array_equal(fused_pool.value_cache[layer], plain_pool.value_cache[layer]), layer
+        for fused_blocks, plain_blocks in ((fused_pool.key_cache[layer], plain_pool.key_cache[layer]),
+                                           (fused_pool.value_cache[layer], plain_pool.value_cache[layer])):
+            if kv_dtype is None:
+                assert np.array_equal(fused_blocks, plain_blocks), layer
+                continue
+            for name in ("codes", "scale", "zero"):
+                a, b = getattr(fused_blocks, name), getattr(plain_blocks, name)
+                assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), (layer, name)
 
 
 @pytest.mark.parametrize("kind,variant", [("float32", 0), ("q8_0", 0), ("float32", 3), ("q4_1+q8", 3)])
@@ -180,9 +195,9 @@ def test_a_fused_contiguous_decode_step_has_the_three_calls_bits(kind, variant, 
 
 def test_the_fused_block_runs_only_where_its_steps_read_in_place():
     """Not fused, with exact products (whose prefill attention is not the decode kernel's): a prefill,
-    speculative verification rows (several queries of one sequence), a float16 or an int8 cache (their
-    writes round), the NumPy backend, and a layer whose MLP half is Gemma's; the outputs there are the
-    three calls' (the tests above hold them to the reference)."""
+    speculative verification rows (several queries of one sequence), a float16 cache (its writes round), a
+    contiguous int8 cache (the paged pool's codes do fuse), the NumPy backend, and a layer whose MLP half
+    is Gemma's; the outputs there are the three calls' (the tests above hold them to the reference)."""
     from kvlab.config import tiny_config
     from kvlab.model.llama import LlamaModel
 

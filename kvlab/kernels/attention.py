@@ -40,6 +40,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from kvlab.kernels.attention_simd import dequantize_int4, dequantize_int8, simd_scores, simd_values, widen_run
+from kvlab.kernels.attention_encode import encode_into
 from kvlab.kernels.attention_formats import FLOAT, FP8_E4M3, INT4, INT8, StoredCodes
 from kvlab.kernels.bits import as_kernel_array
 from kvlab.kernels.compile_names import renamed
@@ -291,6 +292,26 @@ _decode_serial = njit(fastmath=FASTMATH, cache=True)(renamed(_decode_py, "_decod
 _NO_SCALES = np.zeros((1, 1, 1, 1), dtype=np.int16)  # what a float store passes for scales and zeros
 
 
+@njit(inline="always")
+def _split_heads(qkv, heads, kv_heads, d, scale):
+    """A block's q/k/v rows [S, (H_q + 2 H_kv) d] as q heads times `scale` [S, H_q, d] (the product the
+    unfused step's `PagedDecodeCall` takes: no fastmath here, so it is not contracted into a later sum),
+    k and v heads [S, H_kv, d], each a copy."""
+    seqs = qkv.shape[0]
+    scaled = np.empty((seqs, heads, d), dtype=qkv.dtype)
+    keys = np.empty((seqs, kv_heads, d), dtype=qkv.dtype)
+    values = np.empty((seqs, kv_heads, d), dtype=qkv.dtype)
+    flat_q, flat_k, flat_v = scaled.reshape(seqs, heads * d), keys.reshape(seqs, -1), values.reshape(seqs, -1)
+    for s in range(seqs):
+        row = qkv[s]
+        for i in range(heads * d):
+            flat_q[s, i] = row[i] * scale
+        for i in range(kv_heads * d):
+            flat_k[s, i] = row[heads * d + i]
+            flat_v[s, i] = row[(heads + kv_heads) * d + i]
+    return scaled, keys, values
+
+
 @njit(cache=True)
 def write_and_attend(qkv, heads, k_blocks, v_blocks, slot_blocks, slot_rows, tables, starts, ends, span, threads,
                      scale, out, zero):
@@ -300,23 +321,34 @@ def write_and_attend(qkv, heads, k_blocks, v_blocks, slot_blocks, slot_rows, tab
     ([blocks, H_kv, block_size, d], a float pool of the compute dtype, or a contiguous cache's arrays with
     one block per sequence), every row's before any attends (as the unfused write does), its q heads
     scaled, then `_decode` as model/attention.py calls it unfused: the same copy, the same product by
-    `scale` (no fastmath here, so it is not contracted into a later sum) and the same kernel, so each row
-    gets the unfused step's bits. Always the parallel variant: with no Python between a layer's products,
-    its worker is awake (PARALLEL_MIN_ROWS says why the unfused step is not)."""
-    seqs, kv_heads, d = qkv.shape[0], k_blocks.shape[1], k_blocks.shape[3]
-    scaled = np.empty((seqs, heads, d), dtype=qkv.dtype)
-    flat = scaled.reshape(seqs, heads * d)
-    for s in range(seqs):
-        row, block, slot = qkv[s], slot_blocks[s], slot_rows[s]
+    `scale` and the same kernel, so each row gets the unfused step's bits. Always the parallel variant:
+    with no Python between a layer's products, its worker is awake (PARALLEL_MIN_ROWS says why the
+    unfused step is not)."""
+    kv_heads, d = k_blocks.shape[1], k_blocks.shape[3]
+    scaled, keys, values = _split_heads(qkv, heads, kv_heads, d, scale)
+    for s in range(qkv.shape[0]):
+        block, slot = slot_blocks[s], slot_rows[s]
         for h in range(kv_heads):
-            key, value = (heads + h) * d, (heads + kv_heads + h) * d
-            for i in range(d):
-                k_blocks[block, h, slot, i] = row[key + i]
-                v_blocks[block, h, slot, i] = row[value + i]
-        for i in range(heads * d):
-            flat[s, i] = row[i] * scale
+            k_blocks[block, h, slot] = keys[s, h]
+            v_blocks[block, h, slot] = values[s, h]
     _decode_parallel(scaled, k_blocks, _NO_SCALES, _NO_SCALES, v_blocks, _NO_SCALES, _NO_SCALES, FLOAT, 1, tables,
                      starts, ends, span, threads, out, zero)
+
+
+@njit(cache=True)
+def write_codes_and_attend(qkv, heads, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, kind, group, slot_blocks,
+                           slot_rows, tables, starts, ends, span, threads, scale, out, zero):
+    """`write_and_attend` over a pool of int8 / int4 / fp8 codes (`kernel_operands` of each layer's
+    StoredCodes: codes as uint8, scale and zero bits as int16): the k and v rows quantized by
+    attention_encode.encode_into, the compiled writer the pool's own write calls (so the same codes,
+    scales and zeros), then the decode kernel reads them in place."""
+    kv_heads, d = k_codes.shape[1], out.shape[2]
+    scaled, keys, values = _split_heads(qkv, heads, kv_heads, d, scale)
+    encode_into(keys, k_codes, k_scale.view(np.uint16), k_zero.view(np.uint16), slot_blocks, slot_rows, kind, group)
+    encode_into(values, v_codes, v_scale.view(np.uint16), v_zero.view(np.uint16), slot_blocks, slot_rows, kind,
+                group)
+    _decode_parallel(scaled, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, kind, group, tables, starts, ends,
+                     span, threads, out, zero)
 
 
 def decode_kernel(rows: int):

@@ -12,13 +12,14 @@ multiplied by the scale, the parallel decode kernel), so every row gets the bits
 it (tests/test_decode_block.py holds them equal, bit for bit).
 
 It applies where all three steps read in place with no Python of their own: a layer whose both halves
-fuse (model/ops.py `block_fuses`), over a float cache of the compute dtype (a block pool's layers, or a
-contiguous cache's rows as one block per sequence), in a step whose every row goes through the decode
+fuse (model/ops.py `block_fuses`), over a cache the kernels write where it lies (float rows of the compute
+dtype in a block pool or a contiguous cache, one block per sequence there; int8 / int4 / fp8 codes in a
+block pool, quantized by the pool's own compiled writer), in a step whose every row goes through the decode
 kernel (model/attention.py `fused_step`): a decode step (one query per sequence), and in the engine with
 batch-invariant attention (int8 activations, the default for block-quantized files) any step, speculative
 verification rows and prefill chunks included, each row a one-query "sequence" with its own key range.
-Other steps (exact-mode prefill chunks, quantized or half-precision caches, whose writes round) take the
-three calls. The weights' kind picks the kernels when numba compiles: float matrices
+Other steps (exact-mode prefill chunks, float16 / bfloat16 caches, whose writes round, a contiguous
+cache of codes) take the three calls. The weights' kind picks the kernels when numba compiles: float matrices
 (2-D arrays) decode_layer's, quantized ones (kernel_args tuples) qdecode_layer's.
 """
 
@@ -29,7 +30,7 @@ from numba import njit, types
 from numba.extending import overload
 
 from kvlab.kernels import decode_layer, qdecode_layer
-from kvlab.kernels.attention import write_and_attend
+from kvlab.kernels.attention import write_and_attend, write_codes_and_attend
 
 
 def _qkv_rope(x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, out, zero):
@@ -59,17 +60,34 @@ def _output_mlp_impl(x, attn, w_o, b_o, norm, eps, w_gate_up, w_down, zero):
         qdecode_layer.output_mlp(x, attn, w_o, b_o, norm, eps, w_gate_up, w_down, zero)
 
 
+def _attend(qkv, heads, attention, out, zero):
+    """attention.write_and_attend over a float pool's operands (a tuple of 10), write_codes_and_attend over
+    a pool of codes' (a tuple of 16)."""
+
+
+@overload(_attend)
+def _attend_impl(qkv, heads, attention, out, zero):
+    if len(attention) == 10:
+        return lambda qkv, heads, attention, out, zero: write_and_attend(
+            qkv, heads, attention[0], attention[1], attention[2], attention[3], attention[4], attention[5],
+            attention[6], attention[7], attention[8], attention[9], out, zero)
+    return lambda qkv, heads, attention, out, zero: write_codes_and_attend(
+        qkv, heads, attention[0], attention[1], attention[2], attention[3], attention[4], attention[5],
+        attention[6], attention[7], attention[8], attention[9], attention[10], attention[11], attention[12],
+        attention[13], attention[14], attention[15], out, zero)
+
+
 @njit(cache=True)
 def decode_block(x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, zero, attention, w_o,
                  b_o, post_norm, w_gate_up, w_down):
     """x [S, hidden] through one block, in place: `qkv_rope` (its arguments as there, its output a buffer
     made here), attention.write_and_attend over `attention` (the tuple model/attention.py's `fused_step`
-    gives: k_blocks, v_blocks, slot_blocks, slot_rows, tables, starts, ends, span, threads, scale), then
-    `output_mlp` with the post-attention norm `post_norm`."""
-    seqs, d = x.shape[0], attention[0].shape[3]
+    gives: k_blocks, v_blocks, slot_blocks, slot_rows, tables, starts, ends, span, threads, scale; over
+    codes, write_codes_and_attend's operands), then `output_mlp` with the post-attention norm
+    `post_norm`."""
+    seqs, d = x.shape[0], 2 * cos.shape[2]
     qkv = np.empty((seqs, (rotated_heads + attention[0].shape[1]) * d), dtype=x.dtype)
     _qkv_rope(x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, qkv, zero)
     attn = np.empty((seqs, q_heads, d), dtype=x.dtype)
-    write_and_attend(qkv, q_heads, attention[0], attention[1], attention[2], attention[3], attention[4],
-                     attention[5], attention[6], attention[7], attention[8], attention[9], attn, zero)
+    _attend(qkv, q_heads, attention, attn, zero)
     _output_mlp(x, attn.reshape(seqs, q_heads * d), w_o, b_o, post_norm, eps, w_gate_up, w_down, zero)

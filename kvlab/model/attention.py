@@ -263,11 +263,19 @@ class PagedAttention:
             from kvlab.kernels.attention import kernel_threads
 
             self.threads = kernel_threads()
-        # one-call blocks (`fused_step`): a float pool of the compute dtype, read in place, and every row of
-        # the step through the decode kernel: a decode step, or any step of batch-invariant attention
-        # (speculative verification rows and prefill chunks with int8 activations)
-        self.fusable = self.in_place and (self.only_decodes or batch_invariant) and dtype is not None and \
-            self.key_cache[0].dtype == dtype
+        # one-call blocks (`fused_step`): a pool the kernels write and read in place (float rows of the compute
+        # dtype, or codes with their compiled writer), and every row of the step through the decode kernel: a
+        # decode step, or any step of batch-invariant attention (verification rows and prefill chunks with
+        # int8 activations)
+        first = self.key_cache[0]
+        writable = (self.in_place or self.decode_in_place and getattr(first, "writer", None) is not None)
+        self.fusable = writable and (self.only_decodes or batch_invariant) and dtype is not None and \
+            first.dtype == dtype
+        self._operands = None  # kernel_operands, for a pool of codes
+        if self.fusable and not self.in_place:
+            from kvlab.kernels.attention import kernel_operands
+
+            self._operands = kernel_operands
         windows = layer_windows(config)
         plans = {w: _PagedPlan(self, batch, w) for w in dict.fromkeys(windows)}
         self.layer_plans = [plans[w] for w in windows]
@@ -275,11 +283,17 @@ class PagedAttention:
     def fused_step(self, layer: int) -> tuple | None:
         """This layer's attention as a one-call block takes it (ContiguousAttention.fused_step says what);
         None unless every row of the step goes through the decode kernel (only decodes, or batch-invariant
-        attention with every prefill chunk's keys one run per query) over a float pool of the compute dtype."""
+        attention with every prefill chunk's keys one run per query) over a pool the kernels write in place:
+        float rows of the compute dtype, or int8 / int4 / fp8 codes (kernels/attention.py's
+        `write_codes_and_attend` operands then)."""
         plan = self.layer_plans[layer]
         if plan.fused is None:
             return None
-        return (self.key_cache[layer], self.value_cache[layer], *plan.fused)
+        if self._operands is None:
+            return (self.key_cache[layer], self.value_cache[layer], *plan.fused)
+        kc, ks, kz, kind, group = self._operands(self.key_cache[layer].stored())
+        vc, vs, vz, _, _ = self._operands(self.value_cache[layer].stored())
+        return (kc, ks, kz, vc, vs, vz, kind, group, *plan.fused)
 
     def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         key_cache, value_cache = self.key_cache[layer], self.value_cache[layer]

@@ -11,7 +11,7 @@ num_cached_tokens (start .. start + T - 1) and flattens the B rows into one batc
 
 then the final norm and LM head give logits, and the cache commits the new rows (only once every layer
 wrote). On the compiled backend, a step whose rows all take the decode kernel (a decode step; any step
-with batch-invariant attention) over a float cache of the compute dtype runs each block whose halves both
+with batch-invariant attention) over a cache the kernels write in place runs each block whose halves both
 fuse as one call instead (`ops.decode_block` with the operands of the attention's `fused_step`:
 kernels/decode_block.py), the same three steps with no Python between them, bit for bit. The engine's
 batched step (`forward_batch`) runs the same loop over its ragged flat batch with a PagedAttention over
