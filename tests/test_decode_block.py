@@ -133,7 +133,8 @@ def test_a_fused_paged_decode_step_has_the_three_calls_bits(kind, variant, block
     one call quantizes with the pool's own writer): the same logits and the same K/V (codes, scales and
     zeros) in every block, bit for bit; the fused run made one call per layer and decode step."""
     if kv_dtype is not None and kind == "float64":
-        kv_dtype = None  # codes are quantized from float32 rows (the engine's compute dtype for them)
+        kv_dtype = None  # codes pools on the float32 models only: float64 would compile the same codes kernels
+        #                  once more, in another dtype, for cold CI
     model = model_of(kind, variant)
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, model.config.vocab_size, n).tolist() for n in prompt_lens]
