@@ -384,9 +384,15 @@ def _decode(q, keys, values, block_tables, starts, ends, out, rows: int, threads
                         q.dtype.type(0))
 
 
+def typed_scale(scale: float | None, head_dim: int, dtype: np.dtype) -> np.generic:
+    """What the queries are multiplied by, in their dtype: `scale`, or 1/sqrt(head_dim) when None. Every
+    path that scales them (the unfused calls, the one-call block's operands) takes it from here, so they
+    multiply by the same value."""
+    return np.dtype(dtype).type(1.0 / math.sqrt(head_dim) if scale is None else scale)
+
+
 def _scaled(q: np.ndarray, scale: float | None) -> np.ndarray:
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return np.ascontiguousarray(q * q.dtype.type(scale))
+    return np.ascontiguousarray(q * typed_scale(scale, q.shape[-1], q.dtype))
 
 
 def _check_ranges(starts: np.ndarray, ends: np.ndarray, capacity: np.ndarray | int) -> None:
@@ -442,7 +448,7 @@ class PagedDecodeCall:
         self._prepared: tuple = (None, None, None, None)
 
     def _prepare(self, q: np.ndarray, scale: float | None) -> tuple:
-        typed = q.dtype.type(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+        typed = typed_scale(scale, q.shape[-1], q.dtype)
         self._prepared = (np.empty(q.shape, dtype=q.dtype), scale, typed, q.dtype.type(0))
         return self._prepared
 

@@ -21,7 +21,6 @@ only the two storage protocols, never a concrete cache class.
 
 from __future__ import annotations
 
-import math
 from typing import Protocol
 
 import numpy as np
@@ -392,10 +391,9 @@ class _PagedPlan:
     def _fuse(self, owner: "PagedAttention", call: object) -> None:
         """The operands of a one-call block whose attention is `call` (a PagedDecodeCall over every row of
         the step, in the flat batch's order), its new rows written through this plan's slot mapping."""
-        from kvlab.kernels.attention import SPAN
+        from kvlab.kernels.attention import SPAN, typed_scale
 
-        dtype = owner.key_cache[0].dtype
-        scale = dtype.type(1.0 / math.sqrt(owner.head_dim) if owner.scale is None else owner.scale)
+        scale = typed_scale(owner.scale, owner.head_dim, owner.key_cache[0].dtype)
         self.fused = (self.slot_blocks, self.slot_rows, call.tables, call.starts, call.ends, SPAN, call.threads, scale)
 
     def _every_row(self, owner: "PagedAttention", tables: list[list[int]]) -> object:

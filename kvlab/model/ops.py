@@ -198,11 +198,14 @@ class CompiledOps(_Shapes):
         """A decode step's whole block in one call (kernels/decode_block.py), where `block_fuses`:
         `qkv_rope`, the attention whose operands `attention` holds (model/attention.py `fused_step`) and
         `output_mlp`, x updated in place, with the bits the three calls give."""
-        rows, (cos, sin) = x.shape[0], rope
         self._decode_block(x, layer.layer.input_norm, self._eps, layer.qkv, layer.b_qkv, layer.q_norm,
-                           layer.k_norm, self.heads, cos.reshape(rows, 2, self._half), sin.reshape(rows, 2, self._half),
-                           self.qk_heads, self._zero, attention, layer.o, layer.b_o, layer.layer.post_norm,
-                           layer.gate_up, layer.down)
+                           layer.k_norm, self.heads, *self._halves(rope, x.shape[0]), self.qk_heads, self._zero,
+                           attention, layer.o, layer.b_o, layer.layer.post_norm, layer.gate_up, layer.down)
+
+    def _halves(self, rope: Rope, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """(cos, sin) [rows, d] as the fused kernels take them: [rows, 2, d/2], each half's angles (views)."""
+        cos, sin = rope
+        return cos.reshape(rows, 2, self._half), sin.reshape(rows, 2, self._half)
 
     def _vector(self, vector: np.ndarray | None) -> np.ndarray:
         """A bias or norm as the kernels take it: an absent one as an empty array."""
@@ -212,11 +215,10 @@ class CompiledOps(_Shapes):
                         rope: Rope) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`kernel.qkv_rope` (float or quantized) over a few rows: norm, product, bias, q/k norms and RoPE
         in one call."""
-        rows, cos, sin = x.shape[0], *rope
+        rows = x.shape[0]
         qkv = np.empty((rows, self.all_heads, self.head_dim), dtype=x.dtype)
         kernel.qkv_rope(x, layer.layer.input_norm, self._eps, weights, layer.b_qkv, layer.q_norm, layer.k_norm,
-                        self.heads, cos.reshape(rows, 2, self._half), sin.reshape(rows, 2, self._half),
-                        self.qk_heads, qkv.reshape(rows, -1), self._zero)
+                        self.heads, *self._halves(rope, rows), self.qk_heads, qkv.reshape(rows, -1), self._zero)
         return qkv[:, :self.heads], qkv[:, self.heads:self.qk_heads], qkv[:, self.qk_heads:]
 
     def _linear(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
