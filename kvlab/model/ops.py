@@ -178,6 +178,10 @@ class CompiledOps(_Shapes):
         self._empty = np.zeros(0, dtype=dtype)
         # scalars typed once: a decode step makes one to three kernel calls per layer, each a few microseconds
         self._eps, self._zero, self._half = dtype.type(self.eps), dtype.type(0), self.head_dim // 2
+        # The one call is a speed path, for float32. A float64 model (the exact reference: the seeds'
+        # TinyLlama, `kvlab verify`) takes the three calls, which give the same bits, and is spared a cold
+        # compile of the one-call block (~30 s per pool kind) that would buy its users nothing they measure.
+        self._one_call = np.dtype(dtype) == np.float32
 
     def bind(self, layers: Sequence[Any]) -> list[Any]:
         """Kernel views of each layer: its attention half always fuses (q/k norms included); its MLP half
@@ -190,9 +194,10 @@ class CompiledOps(_Shapes):
 
     def block_fuses(self, layer: Any, rows: int) -> bool:
         """Whether `decode_block` can run this layer's block over `rows` decode rows in one call: both halves
-        fuse (the MLP is Llama's) and the rows are few enough for the fused kernels. False while
-        `fuse_decode` is off (benches time the three calls apart; tests compare the two ways)."""
-        return self.fuse_decode and layer.fused_mlp and rows <= self.max_fused_rows
+        fuse (the MLP is Llama's), the rows are few enough for the fused kernels and the model computes in
+        float32. False while `fuse_decode` is off (benches time the three calls apart; tests compare the two
+        ways)."""
+        return self.fuse_decode and self._one_call and layer.fused_mlp and rows <= self.max_fused_rows
 
     def decode_block(self, x: np.ndarray, layer: Any, rope: Rope, attention: tuple) -> None:
         """A decode step's whole block in one call (kernels/decode_block.py), where `block_fuses`:
@@ -340,8 +345,8 @@ class QuantizedOps(CompiledOps):
         return self._linear(self._gemv.rms_norm(x, norm, self.eps), w, bias)
 
     def block_fuses(self, layer: Any, rows: int) -> bool:
-        """Both halves fuse over quantized matrices (`bind`)."""
-        return (self.fuse_decode and isinstance(layer, QuantizedLayer) and layer.qkv is not None
+        """Both halves fuse over quantized matrices (`bind`), in float32."""
+        return (self.fuse_decode and self._one_call and isinstance(layer, QuantizedLayer) and layer.qkv is not None
                 and layer.o is not None and rows <= self.max_fused_rows)
 
     def qkv_rope(self, x: np.ndarray, layer: Any, rope: Rope) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
