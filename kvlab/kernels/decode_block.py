@@ -11,17 +11,17 @@ the same kernels, in the same order, with the same arithmetic (the K/V rows copi
 multiplied by the scale, the parallel decode kernel), so every row gets the bits the three calls give
 it (tests/test_decode_block.py holds them equal, bit for bit).
 
-It applies where all three steps read in place with no Python of their own: a layer whose both halves
-fuse in a float32 model (model/ops.py `block_fuses`; a float64 model, the exact reference, takes the
-three calls and skips this kernel's cold compile), over a cache the kernels write where it lies (float
-rows of the compute dtype in a block pool or a contiguous cache, one block per sequence there; int8 /
-int4 / fp8 codes in a block pool, quantized by the pool's own compiled writer), in a step whose every row goes through the decode
-kernel (model/attention.py `fused_step`): a decode step (one query per sequence), and in the engine with
-batch-invariant attention (int8 activations, the default for block-quantized files) any step, speculative
-verification rows and prefill chunks included, each row a one-query "sequence" with its own key range.
-Other steps (exact-mode prefill chunks, float16 / bfloat16 caches, whose writes round, a contiguous
-cache of codes) take the three calls. The weights' kind picks the kernels when numba compiles: float matrices
-(2-D arrays) decode_layer's, quantized ones (kernel_args tuples) qdecode_layer's.
+It applies where all three steps read in place with no Python of their own: a layer whose both halves fuse
+in a float32 model (model/ops.py `block_fuses`; a float64 model, the exact reference, takes the three
+calls and skips this kernel's cold compile), over a cache the kernels write where it lies (float rows of
+the compute dtype in a block pool or a contiguous cache, one block per sequence there; int8 / int4 / fp8
+codes in a block pool, quantized by the pool's own compiled writer), in a step whose every row goes
+through the decode kernel (model/attention.py `fused_step`): a decode step (one query per sequence), and
+in the engine with batch-invariant attention (int8 activations, the default for block-quantized files) any
+step, speculative verification rows and prefill chunks included, each row a one-query "sequence" with its
+own key range. Other steps (exact-mode prefill chunks, float16 / bfloat16 caches, whose writes round, a
+contiguous cache of codes) take the three calls. The weights' kind picks the kernels when numba compiles:
+float matrices (2-D arrays) decode_layer's, quantized ones (kernel_args tuples) qdecode_layer's.
 """
 
 from __future__ import annotations

@@ -197,7 +197,11 @@ class CompiledOps(_Shapes):
         fuse (the MLP is Llama's), the rows are few enough for the fused kernels and the model computes in
         float32. False while `fuse_decode` is off (benches time the three calls apart; tests compare the two
         ways)."""
-        return self.fuse_decode and self._one_call and layer.fused_mlp and rows <= self.max_fused_rows
+        return layer.fused_mlp and self._fuses(rows)
+
+    def _fuses(self, rows: int) -> bool:
+        """What every Ops' `block_fuses` asks besides the layer: fusion on, float32, few enough rows."""
+        return self.fuse_decode and self._one_call and rows <= self.max_fused_rows
 
     def decode_block(self, x: np.ndarray, layer: Any, rope: Rope, attention: tuple) -> None:
         """A decode step's whole block in one call (kernels/decode_block.py), where `block_fuses`:
@@ -346,8 +350,8 @@ class QuantizedOps(CompiledOps):
 
     def block_fuses(self, layer: Any, rows: int) -> bool:
         """Both halves fuse over quantized matrices (`bind`), in float32."""
-        return (self.fuse_decode and self._one_call and isinstance(layer, QuantizedLayer) and layer.qkv is not None
-                and layer.o is not None and rows <= self.max_fused_rows)
+        return (isinstance(layer, QuantizedLayer) and layer.qkv is not None and layer.o is not None
+                and self._fuses(rows))
 
     def qkv_rope(self, x: np.ndarray, layer: Any, rope: Rope) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if isinstance(layer, QuantizedLayer) and layer.qkv is not None and x.shape[0] <= self.max_fused_rows:
