@@ -22,7 +22,7 @@ from kvlab.errors import CacheMismatchError, InputError
 from kvlab.kernels import AVAILABLE
 from kvlab.model.act_quant import round_activations, rounded
 from kvlab.model.ggml_quants import BLOCK_SIZES, BLOCK_TYPES, Unpacked, dequantize, unpack
-from kvlab.model.qtiles import LANES, to_dot_codes
+from kvlab.model.qtiles import LANES, from_dot_codes5, gather_dot_codes_any, to_dot_codes, to_dot_codes5
 from kvlab.model.quantized import QuantizedMatrix
 
 gguf = pytest.importorskip("gguf")
@@ -135,6 +135,33 @@ def test_the_dot_layout_puts_four_columns_of_each_row_in_one_lane(tiles, groups,
         assert np.array_equal(quads[:, :, column // 4, :, column % 4], by_row[:, :, column, :])
 
 
+@settings(max_examples=30, deadline=None)
+@given(tiles=st.integers(1, 3), groups=st.integers(1, 3), bias=st.sampled_from([0, 16]), seed=st.integers(0, 2**16))
+def test_the_five_bit_dot_layout_keeps_a_nibble_and_a_bit_per_code(tiles, groups, bias, seed):
+    """5-bit codes (Q5_0 / Q5_1 / Q5_K) in the dot layout: four planes of nibbles as Q4's (load q: row r's
+    column 4q + c low, 16 + 4q + c high) and a plane whose byte 8q + r holds those eight columns' fifth bits;
+    5 bits a code, and back to the same int8 codes, whole or a few rows at a time."""
+    rng = np.random.default_rng(seed)
+    codes = (rng.integers(0, 32, (tiles, groups * 32 * LANES)) - bias).astype(np.int8)
+    dot = to_dot_codes5(codes, groups, bias)
+    assert dot.shape == (tiles, groups, 5, 32) and dot.dtype == np.uint8 and dot.nbytes * 8 == codes.size * 5
+    u = (codes.astype(np.int16) + bias).reshape(tiles, groups, 32, LANES)   # (t, g, column, row)
+    nibbles = dot[:, :, :4].reshape(tiles, groups, 4, LANES, 4)   # (t, g, load, row, column in quad)
+    bits = dot[:, :, 4].reshape(tiles, groups, 4, LANES)
+    for column in range(16):
+        q, c = column // 4, column % 4
+        assert np.array_equal(nibbles[:, :, q, :, c] & 15, u[:, :, column] & 15)
+        assert np.array_equal(nibbles[:, :, q, :, c] >> 4, u[:, :, 16 + column] & 15)
+        assert np.array_equal((bits[:, :, q] >> c) & 1, u[:, :, column] >> 4)
+        assert np.array_equal((bits[:, :, q] >> (4 + c)) & 1, u[:, :, 16 + column] >> 4)
+    assert np.array_equal(from_dot_codes5(dot, groups, bias), codes)
+    index = rng.integers(0, tiles * LANES, 5)
+    by_row = codes.reshape(tiles, groups, 32, LANES).transpose(0, 3, 1, 2).reshape(tiles * LANES, -1)
+    assert np.array_equal(gather_dot_codes_any(dot, index, bias), by_row[index])
+    with pytest.raises(ValueError, match="0..31"):
+        to_dot_codes5(np.full_like(codes, 31 - bias + 1), groups, bias)
+
+
 @needs_numba
 @pytest.mark.parametrize("path", ["vnni", "madd", "generic"])
 def test_every_code_path_of_the_integer_kernel(monkeypatch, path):
@@ -163,7 +190,8 @@ def test_every_code_path_of_the_integer_kernel(monkeypatch, path):
     # int8 codes with float16 scales (as bits); nibbles with offsets; Q4_0's offsets folded; K types' scales
     # (and Q4_K's offsets) factored: int8 a group times a float32 base a super-block
     for type_name, scale_dtype, bias in (("Q8_0", np.uint16, 128), ("Q4_1", np.uint16, 0),
-                                         ("Q4_0", np.uint16, 8), ("Q6_K", np.int8, 128), ("Q4_K", np.int8, 0)):
+                                         ("Q4_0", np.uint16, 8), ("Q6_K", np.int8, 128), ("Q4_K", np.int8, 0),
+                                         ("Q5_0", np.uint16, 16), ("Q5_1", np.uint16, 0), ("Q5_K", np.int8, 0)):
         raw = blocks(type_name, 8, 256, rng, "normal")
         matrix = QuantizedMatrix.from_blocks(type_name, raw, (8, 256))
         x = rng.standard_normal((2, 256)).astype(np.float32)
@@ -205,7 +233,7 @@ def test_a_tile_pair_gives_each_lane_the_single_tiles_bits():
         qdot.tile_dot_8x2(xq, 0, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, 0, out)
 
     rng = np.random.default_rng(2)
-    for type_name in ("Q8_0", "Q4_1", "Q4_0", "Q6_K", "Q4_K"):
+    for type_name in ("Q8_0", "Q4_1", "Q4_0", "Q6_K", "Q4_K", "Q5_0", "Q5_K"):
         raw = blocks(type_name, 16, 512, rng, "mixed")
         matrix = QuantizedMatrix.from_blocks(type_name, raw, (16, 512))
         layout = matrix.dot_layout
@@ -356,12 +384,13 @@ def test_the_cli_takes_the_mode_and_refuses_it_for_a_float_model(q4_1_file):
 
 
 @needs_numba
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_the_integer_products_at_their_extreme_codes_and_activations(type_name):
-    """Codes at their extremes (Q8_0's -128 and 127, every nibble 15) against activations at +-127, where
-    AVX2's 16-bit pair sums are largest (2 * 128 * 127 for the sign trick; eight of 2 * 15 * 127 an
-    accumulator for nibbles, `qdot.nibble_pairs`): any saturation or wrap would move a product by far more
-    than float32's rounding. Every row block (1..7 rows, and 16) against the float64 reference."""
+    """Codes at their extremes (Q8_0's -128 and 127, every nibble 15, every 5-bit code 31) against
+    activations at +-127, where AVX2's 16-bit pair sums are largest (2 * 128 * 127 for the sign trick; eight
+    of 2 * 15 * 127 an accumulator for nibbles, four of 2 * 31 * 127 for 5-bit codes, `qdot.nibble_pairs`):
+    any saturation or wrap would move a product by far more than float32's rounding. Every row block (1..7
+    rows, and 16) against the float64 reference."""
     rng = np.random.default_rng(5)
     n, k = 16, 256
     block, size = BLOCK_SIZES[type_name]
@@ -370,10 +399,10 @@ def test_the_integer_products_at_their_extreme_codes_and_activations(type_name):
     if type_name == "Q8_0":
         raw[:, 2:] = rng.choice(np.array([-128, 127, -128], dtype=np.int8), size=(raw.shape[0], 32)).view(np.uint8)
     else:
-        raw[:, size - 16:] = 0xFF  # every nibble 15 (Q4_1's m, bytes 2-3, left 0)
+        raw[:, size - (20 if type_name.startswith("Q5") else 16):] = 0xFF  # every nibble 15 (and fifth bit 1)
     matrix = QuantizedMatrix.from_blocks(type_name, raw.reshape(n, -1), (n, k))
     w = matrix.dequantize(np.float64)
-    assert np.abs(w).max() in (128.0, 15.0, 7.0)
+    assert np.abs(w).max() in (128.0, 15.0, 7.0, 31.0)
     for rows in (1, 2, 3, 4, 5, 6, 7, 16):
         x = rng.choice(np.array([-1.0, 1.0], dtype=np.float32), size=(rows, k))  # every activation +-127
         want = rounded(x, matrix.group).astype(np.float64) @ w.T

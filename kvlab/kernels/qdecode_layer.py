@@ -9,10 +9,11 @@ QuantizedOps for up to MAX_KERNEL_ROWS rows; attention in between is attention.p
 
 A matrix is passed as the tuple `kernel_args` makes: (codes, scales, offsets, tail codes, tail scales,
 tail offsets, group, factor, base scales, base offsets), model/qtiles.py's layout; q/k/v (gate/up) of
-different types as a tuple of two or three such tuples, each its own product into its columns (`_stacked`). With the codes in the integer dot-product layout (3-D,
-`qtiles.to_dot_codes`) the same two calls round each product's input to int8 and take integer dot
-products (the model's `activations="q8"`, kernels/qdot.py): `_product` picks the kind by the codes' rank
-when numba compiles, one specialisation per layout. Each product is one parallel call, its tiles over the
+different types as a tuple of two or three such tuples, each its own product into its columns (`_stacked`).
+With the codes in the integer dot-product layout (3-D, `qtiles.to_dot_codes`, or 4-D for 5-bit codes) the
+same two calls round each product's input to int8 and take integer dot products (the model's
+`activations="q8"`, kernels/qdot.py): `_product` picks the kind by the codes' rank when numba compiles, one
+specialisation per layout. Each product is one parallel call, its tiles over the
 threads (qgemv's `product_tile` / `dot_tile`, the tail on the last index); the group sums of x its offsets
 need (or the int8 rounding of x) are taken once per product on the calling thread. Unfused, a quantized
 layer cost ~12 Python and dispatcher round trips (norms, products, RoPE and SwiGLU in NumPy between them);
@@ -33,7 +34,7 @@ from kvlab.kernels.qgemv import dot_product, group_sums_into, product_tile, tail
 
 def _product(x, w, out):
     """out = x @ w.T, w a `kernel_args` tuple: tiles over the threads, the tail on the last index. Codes in
-    the integer dot-product layout (3-D, `activations="q8"`) round x to int8 first (qgemv.round_rows);
+    the integer dot-product layout (3-D or 4-D, `activations="q8"`) round x to int8 first (qgemv.round_rows);
     float codes read x as it is, with the group sums its offsets multiply taken once."""
 
 
@@ -58,7 +59,7 @@ def _float_product(x, w, out):
 # counting of every array argument on both threads at once: contended atomics, per tile).
 @overload(_product)
 def _product_impl(x, w, out):
-    if w[0].ndim == 3:
+    if w[0].ndim >= 3:  # the dot layout: [T, G, bytes], or [T, G, 5, 32] for 5-bit codes
         return lambda x, w, out: dot_product(x, w, out)
     return lambda x, w, out: _float_product(x, w, out)
 

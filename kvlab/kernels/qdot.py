@@ -78,6 +78,7 @@ _V8I8 = ir.VectorType(_I8, LANES)
 _V8I32 = ir.VectorType(_I32, LANES)
 _V16I16 = ir.VectorType(_I16, 2 * LANES)
 _V32I8 = ir.VectorType(_I8, LANES * QUAD)
+BIT_PLANE = 4  # 5-bit codes: the planes of nibbles a group before its plane of bits (model/qtiles._BIT_PLANE)
 
 
 def _target_features() -> str:
@@ -166,6 +167,23 @@ def magnitude(builder: ir.IRBuilder, codes: ir.Value) -> ir.Value:
     return _psign(builder, codes, codes)
 
 
+def fifth_bits(builder: ir.IRBuilder, at: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """A load's fifth bits (the 8 bytes at `at` of a plane of bits, qtiles.to_dot_codes5: byte r = row r's bits,
+    bit c for its low nibbles' column c, 4 + c for its high nibbles') as two 32-byte vectors of 0 or 16 beside
+    the load's low and high nibbles (byte 4r + c): each row's byte copied to its four lanes (one shuffle),
+    then each lane's bit tested. Generic IR: a byte shuffle, and, compare and select where AVX2 has them."""
+    row_bytes = builder.load(builder.bitcast(at, _V8I8.as_pointer()), align=1)
+    spread = builder.shuffle_vector(row_bytes, ir.Constant(_V8I8, ir.Undefined),
+                                    ir.Constant(ir.VectorType(_I32, LANES * QUAD), [j // QUAD for j in range(32)]))
+    zero, sixteen = ir.Constant(_V32I8, [0] * 32), ir.Constant(_V32I8, [16] * 32)
+    out = []
+    for shift in (0, 4):
+        masks = ir.Constant(_V32I8, [1 << (shift + j % QUAD) for j in range(32)])
+        is_set = builder.icmp_unsigned("!=", builder.and_(spread, masks), zero)
+        out.append(builder.select(is_set, sixteen, zero))
+    return out[0], out[1]
+
+
 def widen_pairs(builder: ir.IRBuilder, pairs: ir.Value) -> ir.Value:
     """16 int16 pair sums (a tile's 8 rows x 2) as each row's int32 sum: `vpmaddwd` by ones."""
     return _madd_wd(builder, pairs, ir.Constant(_V16I16, [1] * 16))
@@ -176,7 +194,9 @@ def nibble_pairs(accs: int, nibbles: bool, pair: bool) -> bool:
     group (`widen_pairs`) rather than once a product instruction: where MADD, for nibbles, when a row of x
     has two accumulators (`accs`). A pair sum is at most 2 * 15 * 127 = 3810, and an accumulator takes at
     most eight a group (model/qtiles.NIBBLE_GROUP_MAX = 64 columns, four a sum, over two accumulators:
-    30480 < 32767), so 16 bits never wrap. Saves a vpmaddwd and makes the add 16-bit per 32 products."""
+    30480 < 32767), so 16 bits never wrap; 5-bit codes (0..31, model/qtiles.to_dot_codes5) make pair sums of
+    at most 2 * 31 * 127 = 7874, and their groups of 32 columns give an accumulator four (31496). Saves a
+    vpmaddwd and makes the add 16-bit per 32 products."""
     return MADD and nibbles and not pair and accs >= 2
 
 
@@ -216,6 +236,9 @@ def _make_tile_dot(rows: int, pair: bool = False):
         signed = codes.dtype == types.int8
         if not signed and codes.dtype != types.uint8:
             return None
+        five = codes.ndim == 4  # 5-bit codes: [T, G, 5, 32], four planes of nibbles and one of bits
+        if five and signed:
+            return None
         # uint16: float16 bits (numba has no float16); int8: a K type's factored scales (times base_scales)
         if scales.dtype not in (types.uint16, types.float32, types.int8) or qbias.dtype != types.int32:
             return None
@@ -240,7 +263,13 @@ def _make_tile_dot(rows: int, pair: bool = False):
                 return ir.Constant(intp, v)
 
             width = cgutils.unpack_tuple(builder, xs.shape)[1]
-            _, n_groups, group_bytes = cgutils.unpack_tuple(builder, cs.shape)
+            if five:  # the nibbles' 4 planes of 32 bytes a group, then its plane of fifth bits
+                _, n_groups, planes, plane_bytes = cgutils.unpack_tuple(builder, cs.shape)
+                group_bytes = const(BIT_PLANE * LANES * QUAD)
+                group_stride = builder.mul(planes, plane_bytes)
+            else:
+                _, n_groups, group_bytes = cgutils.unpack_tuple(builder, cs.shape)
+                group_stride = group_bytes
             scale_row = cgutils.unpack_tuple(builder, ss.shape)[1]
             sum_row = cgutils.unpack_tuple(builder, dxs.shape)[1]
             n_out = cgutils.unpack_tuple(builder, outs.shape)[1]
@@ -250,7 +279,7 @@ def _make_tile_dot(rows: int, pair: bool = False):
             quads = builder.udiv(group_bytes, const(LANES * QUAD))
             group = builder.udiv(group_bytes, const(LANES if signed else LANES // 2))  # columns a group
             half = builder.lshr(group, const(1))
-            code_base = builder.gep(cs.data, [builder.mul(builder.mul(t_v, n_groups), group_bytes)])
+            code_base = builder.gep(cs.data, [builder.mul(builder.mul(t_v, n_groups), group_stride)])
             scale_base = builder.gep(ss.data, [builder.mul(t_v, scale_row)])
             offset_base = builder.gep(os_.data, [builder.mul(t_v, scale_row)])
             base_row = cgutils.unpack_tuple(builder, bss.shape)[1]
@@ -295,13 +324,13 @@ def _make_tile_dot(rows: int, pair: bool = False):
             flip = ir.Constant(vbytes, [0x80] * (lanes * QUAD))
             low_mask = ir.Constant(vbytes, [0x0F] * (lanes * QUAD))
             four = ir.Constant(vbytes, [4] * (lanes * QUAD))
-            tile_bytes = builder.mul(n_groups, group_bytes)  # the next tile's codes are this far on
+            tile_bytes = builder.mul(n_groups, group_stride)  # the next tile's codes are this far on
             with cgutils.for_range(builder, n_groups) as g_loop:
                 g = g_loop.index
                 for row_acc in acc:
                     for a in row_acc:
                         builder.store(zero_i, a)
-                codes_g = builder.gep(code_base, [builder.mul(g, group_bytes)])
+                codes_g = builder.gep(code_base, [builder.mul(g, group_stride)])
                 k0 = builder.mul(g, group)
                 def products(q: ir.Value, first: int) -> int:
                     """The products of quad load q into the accumulators from `first` on (round robin)."""
@@ -317,6 +346,14 @@ def _make_tile_dot(rows: int, pair: bool = False):
                         parts = [(builder.xor(raw, flip), k)]
                     else:
                         parts = [(builder.and_(raw, low_mask), k), (builder.lshr(raw, four), builder.add(k, half))]
+                    if five:  # each nibble's fifth bit, as 16, from the group's plane of bits
+                        bits = fifth_bits(builder, builder.gep(codes_g, [builder.add(group_bytes, builder.mul(
+                            q, const(LANES)))]))
+                        if pair:
+                            second = fifth_bits(builder, builder.gep(codes_g, [builder.add(
+                                tile_bytes, builder.add(group_bytes, builder.mul(q, const(LANES))))]))
+                            bits = tuple(_concat(builder, a, b) for a, b in zip(bits, second))
+                        parts = [(builder.or_(c, b), kk) for (c, kk), b in zip(parts, bits)]
                     for codes4, kk in parts:
                         for i in range(rows):
                             a = acc[i][first % accs]

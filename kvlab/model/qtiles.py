@@ -90,6 +90,65 @@ def gather_dot_codes(dot: np.ndarray, index: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(shaped[index // LANES, :, :, index % LANES, :]).reshape(len(index), groups * width)
 
 
+# Types whose codes are 5-bit (0..31 once Q5_0's bias 16 is added): the integer kernels read them as a nibble
+# and a bit (`to_dot_codes5`), 5 bits a weight as in the file, where int8 codes were 8 (SmolLM2's Q4_K_M file
+# is mostly Q5_0: its 576 columns are no multiple of 256, so llama.cpp falls back from Q4_K).
+FIVE_BIT_TYPES = ("Q5_0", "Q5_1", "Q5_K")
+FIVE_BIT_GROUP = 32  # columns a group: 16 nibble bytes a row (kernels/qdot.py takes four 32-byte loads a group)
+_BIT_PLANE = 4  # the plane of high bits after the four planes of nibbles ([T, G, 5, 32])
+
+
+def to_dot_codes5(codes: np.ndarray, groups: int, bias: int) -> np.ndarray:
+    """Tiled 5-bit codes (int8 [T, G * 32 * 8], code + bias in 0..31) as the integer kernels read them:
+    [T, G, 5, 32] uint8 per group, four planes of 32 bytes as `to_dot_codes` makes of Q4's nibbles (load q:
+    byte (r, c) = row r's column 4q + c in the low nibble, column 16 + 4q + c in the high), then one plane of
+    the fifth bits: 8 bytes per load q, byte r = the bits of row r's eight codes of that load (bit c: column
+    4q + c, bit 4 + c: column 16 + 4q + c), so one 8-byte load, a byte shuffle and two masks give a load's
+    bits in the bytes beside its nibbles (kernels/qdot.py)."""
+    tiles = codes.shape[0]
+    u = (codes.reshape(tiles, groups, FIVE_BIT_GROUP, LANES).astype(np.int16) + bias).astype(np.uint8)
+    if u.max(initial=0) > 31:
+        raise ValueError(f"5-bit codes (plus bias {bias}) must lie in 0..31")
+    half = FIVE_BIT_GROUP // 2
+    nibbles = (u[:, :, :half] & 0x0F) | ((u[:, :, half:] & 0x0F) << 4)  # [T, G, 16, 8]: byte j, row r
+    planes = to_dot_codes(nibbles.reshape(tiles, groups * FIVE_BIT_GROUP // 2 * LANES), groups).reshape(tiles, groups, _BIT_PLANE, 32)
+    high = (u >> 4).reshape(tiles, groups, 2, _BIT_PLANE, 4, LANES)  # (half, load q, column c, row r)
+    weights = (np.uint8(1) << np.arange(8, dtype=np.uint8)).reshape(1, 1, 2, 1, 4, 1)
+    bits = (high * weights).sum(axis=(2, 4), dtype=np.uint8)  # [T, G, q, r]
+    return np.ascontiguousarray(np.concatenate([planes, bits.reshape(tiles, groups, 1, 32)], axis=2))
+
+
+def from_dot_codes5(dot: np.ndarray, groups: int, bias: int) -> np.ndarray:
+    """The inverse of `to_dot_codes5`: [T, G, 5, 32] -> tiled int8 codes [T, G * 32 * 8] (code, bias taken off)."""
+    tiles = dot.shape[0]
+    nibbles = from_dot_codes(np.ascontiguousarray(dot[:, :, :_BIT_PLANE]).reshape(tiles, groups, _BIT_PLANE * 32),
+                             groups)
+    nibbles = nibbles.reshape(tiles, groups, FIVE_BIT_GROUP // 2, LANES)
+    low = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=2)  # [T, G, 32, 8]
+    bits = dot[:, :, _BIT_PLANE].reshape(tiles, groups, 1, _BIT_PLANE, 1, LANES)
+    shifts = np.arange(8, dtype=np.uint8).reshape(1, 1, 2, 1, 4, 1)
+    high = ((bits >> shifts) & 1).reshape(tiles, groups, FIVE_BIT_GROUP, LANES)
+    u = low | (high << 4)
+    return (u.astype(np.int16) - bias).astype(np.int8).reshape(tiles, groups * FIVE_BIT_GROUP * LANES)
+
+
+def dot_codes_to_tiled(dot: np.ndarray, groups: int, bias: int) -> np.ndarray:
+    """Tiled codes (the float kernels' layout) of dot-layout codes of any kind (`to_dot_codes`, or
+    `to_dot_codes5` where `dot` has four axes)."""
+    return from_dot_codes5(dot, groups, bias) if dot.ndim == 4 else from_dot_codes(dot, groups)
+
+
+def gather_dot_codes_any(dot: np.ndarray, index: np.ndarray, bias: int) -> np.ndarray:
+    """`gather_dot_codes` for dot-layout codes of any kind: 5-bit ones widened a tile at a time (the tiles
+    the rows sit in only), then the rows taken."""
+    if dot.ndim != 4:
+        return gather_dot_codes(dot, index)
+    groups = dot.shape[1]
+    tiled = from_dot_codes5(dot[index // LANES], groups, bias).reshape(len(index), groups, FIVE_BIT_GROUP, LANES)
+    picked = tiled[np.arange(len(index)), :, :, index % LANES]
+    return np.ascontiguousarray(picked).reshape(len(index), groups * FIVE_BIT_GROUP)
+
+
 def row_ordered(tiled: np.ndarray | None, tail: np.ndarray | None, groups: int) -> np.ndarray | None:
     """One array (codes, scales or offsets) of (tiles, tail) back in row order [N, ...]."""
     return None if tiled is None else np.concatenate([_deinterleave(tiled, groups), tail])

@@ -23,8 +23,9 @@ from kvlab.errors import InputError
 from kvlab.model.ggml_quants import (BLOCK_SIZES, GROUPS, NIBBLE_TYPES, OFFSET_TYPES, Unpacked, dequantize,
                                      resident_bytes, unpack)
 from kvlab.model.act_quant import rounded
-from kvlab.model.qtiles import (LANES, NIBBLE_GROUP_MAX, expand_scales, factor_scales, from_dot_codes,
-                                gather_dot_codes, gather_rows, to_dot_codes, to_tiles)
+from kvlab.model.qtiles import (FIVE_BIT_GROUP, FIVE_BIT_TYPES, LANES, NIBBLE_GROUP_MAX, dot_codes_to_tiled,
+                                expand_scales, factor_scales, gather_dot_codes_any, gather_rows, to_dot_codes,
+                                to_dot_codes5, to_tiles)
 
 MAX_KERNEL_ROWS = 16
 # Types kvlab can encode (llama.cpp's reference encoders in the gguf package); every ggml_quants type reads.
@@ -52,7 +53,7 @@ def predicted_bytes(type_name: str, shape: tuple[int, int], activations: str = "
     if activations != "q8" and not k_type:  # Q4_0's tiles keep no offsets (FOLDED_OFFSETS), its tail rows do
         folded = tiled * cols // GROUPS[type_name] * 4 if type_name in FOLDED_OFFSETS else 0
         return resident_bytes(type_name, shape) - folded
-    code_bytes = cols // 2 if type_name in NIBBLE_TYPES else cols
+    code_bytes = _code_bytes(type_name, cols, "dot" if activations == "q8" else "float")
     groups = cols // GROUPS[type_name]
     if type_name in HALF_SCALE_TYPES:
         scale_bytes = groups * 2
@@ -61,6 +62,14 @@ def predicted_bytes(type_name: str, shape: tuple[int, int], activations: str = "
     offset_bytes = 0 if type_name not in OFFSET_TYPES or type_name == "Q4_0" else \
         (groups * 4 if type_name in HALF_SCALE_TYPES else scale_bytes)
     return tiled * (code_bytes + scale_bytes + offset_bytes) + resident_bytes(type_name, (rows - tiled, cols))
+
+
+def _code_bytes(type_name: str, cols: int, layout: str) -> int:
+    """Bytes of one row's codes in a layout: nibbles half a byte, 5-bit types in the dot layout 5/8 of a
+    byte (qtiles.to_dot_codes5), every other code a byte."""
+    if type_name in NIBBLE_TYPES:
+        return cols // 2
+    return cols * 5 // 8 if layout == "dot" and type_name in FIVE_BIT_TYPES else cols
 
 
 class QuantizedMatrix:
@@ -132,7 +141,8 @@ class QuantizedMatrix:
     def dot_layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray, np.ndarray]:
         """(codes, scales, offsets, bias, base scales, base offsets): the tiles as the integer kernels read
         them (kernels/qdot.py), made from the float layout, which is dropped. Codes in quads
-        (qtiles.to_dot_codes); scales float16 where that is exact (the file's own float16: every type but
+        (qtiles.to_dot_codes; 5-bit types' as a nibble and a bit, 5 bits a code: qtiles.to_dot_codes5, Q5_0's
+        bias 16); scales float16 where that is exact (the file's own float16: every type but
         the K types); a K type's scales and offsets (d * sub-block scale) as int8 per group times a float32
         base per super-block and row (qtiles.factor_scales: the same float32 values, a quarter of the
         bytes), else float32; Q4_0's offsets (-8 * scale) folded into bias 8 rather than read; int8 codes
@@ -147,8 +157,12 @@ class QuantizedMatrix:
         if t.nibbles and self.group > NIBBLE_GROUP_MAX:  # no GGUF type: its nibble groups are 32 columns
             raise ValueError(f"{self.type_name}: nibble groups of {self.group} columns are wider than the integer "
                              f"kernels' 16-bit pair sums allow ({NIBBLE_GROUP_MAX})")
-        codes = to_dot_codes(t.codes, self.tail.scales.shape[1])
         scales, offsets, base_scales, base_offsets = self._dot_scales(t)
+        if self._five_bit:  # a nibble and a bit a code (qtiles.to_dot_codes5); Q5_0's codes go in as code + 16
+            bias = 16 if self.type_name == "Q5_0" else 0
+            return (to_dot_codes5(t.codes, self.tail.scales.shape[1], bias), scales, offsets, bias, base_scales,
+                    base_offsets)
+        codes = to_dot_codes(t.codes, self.tail.scales.shape[1])
         no_offsets = np.zeros((0, 0), dtype=np.float32)
         if t.offsets is None and t.offset_scale == -8.0:  # folded already: Q4_0's bias 8
             return codes, scales, no_offsets, 8, base_scales, base_offsets
@@ -201,11 +215,11 @@ class QuantizedMatrix:
             return self._tiles
         _, dot_scales, dot_offsets, _, base_scales, base_offsets = self._dot
         if dot_scales.dtype == np.int8:  # a K type's factored scales: the float layout keeps them so too
-            codes = from_dot_codes(self._dot[0], self.tail.scales.shape[1])
+            codes = dot_codes_to_tiled(self._dot[0], self.tail.scales.shape[1], self._dot[3])
             return Unpacked(codes, dot_scales, dot_offsets if dot_offsets.shape[0] else None, self.group, None,
                             base_scales, base_offsets if base_offsets.size else None)
         scales, offsets = self._dot_scales_offsets()
-        codes = from_dot_codes(self._dot[0], self.tail.scales.shape[1])
+        codes = dot_codes_to_tiled(self._dot[0], self.tail.scales.shape[1], self._dot[3])
         fold = FOLDED_OFFSETS.get(self.type_name)
         if fold is not None and offsets is not None and self._dot[3] == 8:
             return Unpacked(codes, scales, None, self.group, fold)
@@ -215,6 +229,11 @@ class QuantizedMatrix:
     @property
     def group(self) -> int:
         return self.tail.group
+
+    @property
+    def _five_bit(self) -> bool:
+        """Whether the dot layout keeps the codes 5 bits each (qtiles.to_dot_codes5)."""
+        return self.type_name in FIVE_BIT_TYPES and self.group == FIVE_BIT_GROUP
 
     @property
     def unpacked(self) -> Unpacked:
@@ -250,14 +269,14 @@ class QuantizedMatrix:
 
     def resident_bytes(self, activations: str = "float32") -> int:
         """What a model computing with `activations` keeps of this matrix: the float layout, or for "q8" the
-        dot layout (codes alike; scales float16 where exact; no offsets for Q4_0), plus the tail. Counted
-        without converting: the arrays' sizes follow from the type and shape."""
+        dot layout (the same codes, 5-bit ones packed; scales float16 where exact; no offsets for Q4_0), plus
+        the tail. Counted without converting: the arrays' sizes follow from the type and shape."""
         want = "dot" if activations == "q8" else "float"
         if want == self.layout:
             return self.nbytes
         tiled = self.shape[0] - self.tail.scales.shape[0]
         groups = self.tail.scales.shape[1]
-        codes = (self._tiles.codes if self._tiles is not None else self._dot[0]).nbytes
+        codes = tiled * _code_bytes(self.type_name, self.shape[1], want)
         tail = sum(a.nbytes for a in (self.tail.codes, self.tail.scales, self.tail.offsets) if a is not None)
         if want == "float":
             if self._dot[1].dtype == np.int8:  # factored: the float layout keeps the same arrays
@@ -320,7 +339,7 @@ class QuantizedMatrix:
             picked = None
             if codes:
                 picked = np.empty((index.shape[0], self.tail.codes.shape[1]), dtype=self.tail.codes.dtype)
-                picked[inside] = gather_dot_codes(dot_codes, index[inside])
+                picked[inside] = gather_dot_codes_any(dot_codes, index[inside], bias)
                 picked[~inside] = self.tail.codes[tail_rows]
             return Unpacked(picked, scales, offsets, self.group)
 
