@@ -62,6 +62,7 @@ class KVCache:
         # per layer: its window where it trims (a float contiguous store), else None; and its first row
         self._windows = [w if isinstance(self.store, ContiguousStore) else None
                          for w in (windows or [None] * spec.num_layers)]
+        self._trims = any(w is not None for w in self._windows)  # asked per layer per step: kept, not recounted
         self._first = [0] * spec.num_layers
 
     @property
@@ -97,7 +98,7 @@ class KVCache:
     @property
     def trims(self) -> bool:
         """True when some layer gives back the rows before its window."""
-        return any(w is not None for w in self._windows)
+        return self._trims
 
     @property
     def positions(self) -> np.ndarray:

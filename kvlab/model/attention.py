@@ -72,6 +72,7 @@ class ContiguousAttention:
         self.cache, self.positions, self.batch, self.dtype = cache, positions, batch, np.dtype(dtype)
         self.batch_invariant = batch_invariant
         self.num_new = len(positions)
+        self._slot_rows: dict[int, np.ndarray] = {}  # `fused_step`'s, by the first new row
         key_positions = positions if cache is None else np.append(cache.positions, positions)
         self.num_keys = len(key_positions)
         self.scale, self.logit_cap = config.attention_scale, config.attn_logit_softcapping
@@ -125,8 +126,12 @@ class ContiguousAttention:
         if claimed is None:
             return None
         keys, values, row = claimed
-        # row b * T + t of the flat batch goes to row `row + t` of sequence b's (one) block
-        slot_rows = np.tile(np.arange(row, row + self.num_new, dtype=np.int64), self.batch)
+        # row b * T + t of the flat batch goes to row `row + t` of sequence b's (one) block: the same rows
+        # for every layer of a window (one array per step, not per layer)
+        slot_rows = self._slot_rows.get(row)
+        if slot_rows is None:
+            slot_rows = self._slot_rows[row] = np.tile(np.arange(row, row + self.num_new, dtype=np.int64),
+                                                       self.batch)
         return (keys, values, call.tables[:, 0], slot_rows, call.tables, call.starts, call.ends, call.span,
                 call.threads, call.scale)
 

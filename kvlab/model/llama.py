@@ -384,7 +384,7 @@ class LlamaModel:
     def embed_tokens(self, ids: np.ndarray) -> np.ndarray:
         """The residual stream of `ids`: a fresh array in the compute dtype, which blocks update in place."""
         if isinstance(self.embed, QuantizedMatrix):  # a quantized table: dequantize just these rows
-            x = self.embed.take_rows(ids).dequantize(self.dtype)
+            x = self.embed.dequantize(self.dtype, ids)
         else:
             x = self.embed[ids].astype(self.dtype, copy=False)  # fancy indexing made a fresh array
         if self.config.scale_embeddings:  # Gemma: times sqrt(hidden), rounded to float32 as transformers does

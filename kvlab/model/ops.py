@@ -182,6 +182,7 @@ class CompiledOps(_Shapes):
         # TinyLlama, `kvlab verify`) takes the three calls, which give the same bits, and is spared a cold
         # compile of the one-call block (~30 s per pool kind) that would buy its users nothing they measure.
         self._one_call = np.dtype(dtype) == np.float32
+        self._last_halves: tuple[Rope, tuple[np.ndarray, np.ndarray]] | None = None  # `_halves`'
 
     def bind(self, layers: Sequence[Any]) -> list[Any]:
         """Kernel views of each layer: its attention half always fuses (q/k norms included); its MLP half
@@ -212,9 +213,15 @@ class CompiledOps(_Shapes):
                            attention, layer.o, layer.b_o, layer.layer.post_norm, layer.gate_up, layer.down)
 
     def _halves(self, rope: Rope, rows: int) -> tuple[np.ndarray, np.ndarray]:
-        """(cos, sin) [rows, d] as the fused kernels take them: [rows, 2, d/2], each half's angles (views)."""
+        """(cos, sin) [rows, d] as the fused kernels take them: [rows, 2, d/2], each half's angles (views);
+        the last rope's kept, as every layer of a step asks for the same one."""
+        last = self._last_halves
+        if last is not None and last[0] is rope:
+            return last[1]
         cos, sin = rope
-        return cos.reshape(rows, 2, self._half), sin.reshape(rows, 2, self._half)
+        halves = cos.reshape(rows, 2, self._half), sin.reshape(rows, 2, self._half)
+        self._last_halves = (rope, halves)
+        return halves
 
     def _vector(self, vector: np.ndarray | None) -> np.ndarray:
         """A bias or norm as the kernels take it: an absent one as an empty array."""

@@ -439,9 +439,10 @@ class QuantizedMatrix:
         return b"\0".join(parts)
 
     # --- products ---------------------------------------------------------------------------------------
-    def dequantize(self, dtype: np.dtype = np.float32, rows: slice = slice(None)) -> np.ndarray:
-        """Rows `rows` as floats, exactly the file's dequantized values (the reference)."""
-        part = self.unpacked if rows == slice(None) else self.rows(rows)
+    def dequantize(self, dtype: np.dtype = np.float32, rows: slice | np.ndarray = slice(None)) -> np.ndarray:
+        """Rows `rows` (a slice, or row indices: an embedding lookup) as floats, exactly the file's dequantized
+        values (the reference)."""
+        part = self.unpacked if isinstance(rows, slice) and rows == slice(None) else self.rows(rows)
         return dequantize(part, np.dtype(dtype))
 
     def matmul_t(self, x: np.ndarray, compiled: bool = True, activations: str = "float32") -> np.ndarray:
