@@ -22,6 +22,10 @@ instruction (vcvtph2ps). A K type's scale is a product (float16 d times a 6- or 
 it comes as an int8 a group times a float32 base a super-block (model/qtiles.factor_scales), and the
 kernel rebuilds the same float32 scale as base * float(int), exact: 1 byte a group and row instead of 4
 (Q4_K's scales and offsets were a third of its bytes), three instructions per group shared by the rows.
+5-bit codes (Q5_0, Q5_1, Q5_K) come as nibbles and a plane of their fifth bits ([T, G, 5, 32] per group,
+model/qtiles.to_dot_codes5; the array's fourth axis marks them): per load `fifth_bits` turns 8 bytes into 16s
+ORed into the low and high nibbles (a byte shuffle, and, compare, select, shared by the rows), and the codes
+go in unsigned, 0..31, Q5_0's bias 16 taken off as Q4_0's 8 is: 5 bits a weight read, as in the file.
 
 Where the CPU has AVX2 but no VNNI (Zen 3, Haswell to Skylake: `MADD`), llama.cpp's AVX2 arithmetic:
 `vpmaddubsw` makes 32 byte products into 16-bit pair sums and `vpmaddwd` by ones adds each row's four.

@@ -22,6 +22,8 @@ resident bytes per weight, against the file's (offset-free types keep no offsets
   Q2_K 1.5 (0.3281)
 
 5-, 6-, 3- and 2-bit codes are widened to a byte each: simpler and faster kernels, more bytes than the file.
+The integer kernels' layout (activations="q8", the default for block types) packs 5-bit codes again, a
+nibble and a bit (model/qtiles.to_dot_codes5): 0.6875 bytes a weight for Q5_0, the file's.
 """
 
 from __future__ import annotations
