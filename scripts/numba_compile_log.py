@@ -6,6 +6,8 @@ Run it in a fresh clone (numba's disk cache is per checkout path, so a clone at 
 everything, as CI does). At the end it prints the kernels and the tests that spent the most seconds
 compiling, counting only outermost compiles (a kernel's callees compile inside it), and with
 NUMBA_COMPILE_LOG=path.json it writes every compile (kernel, argument types, seconds, nesting depth, test).
+Under pytest-xdist (`-n 2`, as CI runs) each worker writes its records beside the controller's temporary
+folder and the controller sums them, so the figures are CI's own.
 Why it matters: every distinct argument-type mix of a kernel is a variant compiled apart (5-30 s for the
 fused decode layers), so a test model with a type mix no other test uses costs CI that much again.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from collections import defaultdict
 
@@ -48,7 +51,34 @@ def pytest_runtest_setup(item) -> None:
     _test[0] = item.nodeid
 
 
+_WORKER_DIR = os.path.join(tempfile.gettempdir(), f"numba_compile_log.{os.getppid()}")
+
+
+def pytest_sessionfinish(session) -> None:
+    """An xdist worker has no terminal: it leaves its records for the controller (its parent process)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        os.makedirs(_WORKER_DIR, exist_ok=True)
+        with open(os.path.join(_WORKER_DIR, f"{worker}.json"), "w") as f:
+            json.dump(_records, f)
+
+
+def _worker_records() -> list[dict]:
+    """The records the controller's workers left (their parent is this process)."""
+    folder = os.path.join(tempfile.gettempdir(), f"numba_compile_log.{os.getpid()}")
+    if not os.path.isdir(folder):
+        return []
+    records: list[dict] = []
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name)) as f:
+            records.extend(json.load(f))
+        os.remove(os.path.join(folder, name))
+    os.rmdir(folder)
+    return records
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
+    _records.extend(_worker_records())
     outer = [r for r in _records if r["depth"] == 0]
     if path := os.environ.get("NUMBA_COMPILE_LOG"):
         with open(path, "w") as f:

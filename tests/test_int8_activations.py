@@ -22,7 +22,7 @@ from kvlab.errors import CacheMismatchError, InputError
 from kvlab.kernels import AVAILABLE
 from kvlab.model.act_quant import round_activations, rounded
 from kvlab.model.ggml_quants import BLOCK_SIZES, BLOCK_TYPES, Unpacked, dequantize, unpack
-from kvlab.model.qtiles import LANES, from_dot_codes5, gather_dot_codes_any, to_dot_codes, to_dot_codes5
+from kvlab.model.qtiles import LANES, from_dot_codes, gather_dot_codes, to_dot_codes, to_dot_codes5
 from kvlab.model.quantized import QuantizedMatrix
 
 gguf = pytest.importorskip("gguf")
@@ -73,13 +73,13 @@ def test_compiled_rounding_has_the_references_bits(case):
 
     x, group = case
     q, d = round_activations(x, group)
-    xq, dx, qsum, fsum = round_rows(x, group, 1)  # bias 1: the sums themselves
+    xq, dx, qsum, fsum = round_rows(x, group, -1)  # qbias is -bias * the sums: bias -1 gives the sums
     assert np.array_equal(xq, q) and np.array_equal(dx, d, equal_nan=True)
     # rows go over the threads from qgemv.ROUND_PARALLEL_ROWS on: both compiles, every row's bits alike
     serial = [np.empty_like(a) for a in (xq, dx, qsum, fsum)]
     parallel = [np.empty_like(a) for a in (xq, dx, qsum, fsum)]
-    round_rows_into(x, group, np.int32(1), *serial)
-    _round_rows_parallel(x, group, np.int32(1), *parallel)
+    round_rows_into(x, group, np.int32(-1), *serial)
+    _round_rows_parallel(x, group, np.int32(-1), *parallel)
     for got, want in zip(parallel, serial):
         assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
     assert np.array_equal(qsum, q.reshape(*d.shape, group).astype(np.int32).sum(axis=-1))
@@ -154,10 +154,10 @@ def test_the_five_bit_dot_layout_keeps_a_nibble_and_a_bit_per_code(tiles, groups
         assert np.array_equal(nibbles[:, :, q, :, c] >> 4, u[:, :, 16 + column] & 15)
         assert np.array_equal((bits[:, :, q] >> c) & 1, u[:, :, column] >> 4)
         assert np.array_equal((bits[:, :, q] >> (4 + c)) & 1, u[:, :, 16 + column] >> 4)
-    assert np.array_equal(from_dot_codes5(dot, groups, bias), codes)
+    assert np.array_equal(from_dot_codes(dot, groups, bias), codes)
     index = rng.integers(0, tiles * LANES, 5)
     by_row = codes.reshape(tiles, groups, 32, LANES).transpose(0, 3, 1, 2).reshape(tiles * LANES, -1)
-    assert np.array_equal(gather_dot_codes_any(dot, index, bias), by_row[index])
+    assert np.array_equal(gather_dot_codes(dot, index, bias), by_row[index])
     with pytest.raises(ValueError, match="0..31"):
         to_dot_codes5(np.full_like(codes, 31 - bias + 1), groups, bias)
 

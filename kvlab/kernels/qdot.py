@@ -38,12 +38,12 @@ features numba compiles for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES or the host's).
 
 `tile_dot_R(xq, m0, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, t, out)` (R = 1..4
 or 8 rows of x) writes out[m0:m0+R, 8t:8t+8]: xq int8 [M, K], dx float32 [M, G] the groups' scales, qbias
-int32 [M, G] = bias * the sums of the int8 values (taken off each group's int32 dot, one broadcast
-subtraction), fsum float32 [M, G] = dx * sum (read only when offsets has rows), codes int8 or uint8
+int32 [M, G] = -bias * the sums of the int8 values (added to each group's int32 dot: a broadcast from
+memory and an add, where the subtraction of a positive one took four instructions), fsum float32 [M, G] = dx * sum (read only when offsets has rows), codes int8 or uint8
 (nibbles) [T, G, bytes], scales float32, float16 bits (uint16) or factored int8, offsets float32 or
 factored int8 [T, G*8] (as for the float kernels), base_scales / base_offsets float32 [T, SB*8] the
 factored ones' bases (no columns otherwise). Per group and
-row the epilogue is four vector instructions: subtract qbias, convert, multiply by dx, fma by the scale
+row the epilogue is four vector instructions: add qbias, convert, multiply by dx, fma by the scale
 into the row's total; every R computes a row the same way, so a row's bits do not depend on the rows
 beside it (tests/test_batch_invariant.py). Eight rows at once (where AVX-512 gives 32 registers: WIDE)
 read a tile's codes once for eight rows and keep eight independent vpdpbusd chains in flight: 1.2-1.4x
@@ -66,10 +66,9 @@ from numba import types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
+from kvlab.kernels.layout import BIT_PLANE, LANES, QUAD
 from kvlab.kernels.qsimd import _fma
 
-LANES = 8
-QUAD = 4  # columns per int32 lane of one vpdpbusd
 UNROLL = 2  # independent accumulators per row of x (the quad loop steps by this)
 _I8 = ir.IntType(8)
 _I16 = ir.IntType(16)
@@ -82,7 +81,6 @@ _V8I8 = ir.VectorType(_I8, LANES)
 _V8I32 = ir.VectorType(_I32, LANES)
 _V16I16 = ir.VectorType(_I16, 2 * LANES)
 _V32I8 = ir.VectorType(_I8, LANES * QUAD)
-BIT_PLANE = 4  # 5-bit codes: the planes of nibbles a group before its plane of bits (model/qtiles._BIT_PLANE)
 
 
 def _target_features() -> str:
@@ -196,11 +194,12 @@ def widen_pairs(builder: ir.IRBuilder, pairs: ir.Value) -> ir.Value:
 def nibble_pairs(accs: int, nibbles: bool, pair: bool) -> bool:
     """Whether a tile's accumulators hold 16-bit pair sums (16 lanes, two a row), widened to int32 once a
     group (`widen_pairs`) rather than once a product instruction: where MADD, for nibbles, when a row of x
-    has two accumulators (`accs`). A pair sum is at most 2 * 15 * 127 = 3810, and an accumulator takes at
-    most eight a group (model/qtiles.NIBBLE_GROUP_MAX = 64 columns, four a sum, over two accumulators:
-    30480 < 32767), so 16 bits never wrap; 5-bit codes (0..31, model/qtiles.to_dot_codes5) make pair sums of
-    at most 2 * 31 * 127 = 7874, and their groups of 32 columns give an accumulator four (31496). Saves a
-    vpmaddwd and makes the add 16-bit per 32 products."""
+    has two accumulators (`accs`). A pair sum is at most 2 * 15 * 127 = 3810, and a group
+    (model/qtiles.NIBBLE_GROUP_MAX = 32 columns, four a sum) gives each of the two accumulators four: their
+    16-bit sum is at most 30480 < 32767, so the two are added in 16 bits and widened once a row and group;
+    5-bit codes (0..31, model/qtiles.to_dot_codes5) make pair sums of at most
+    2 * 31 * 127 = 7874, four an accumulator (31496), so theirs are widened apart. Saves a vpmaddwd per
+    product instruction and makes the add 16-bit."""
     return MADD and nibbles and not pair and accs >= 2
 
 
@@ -374,16 +373,21 @@ def _make_tile_dot(rows: int, pair: bool = False):
                 scale = lane_values(factored, half_scales, scale_base, base_scale_row, lane0, g)
                 for i in range(rows):
                     sums = [builder.load(a) for a in acc[i]]
-                    if in_pairs:  # each accumulator widened apart: two together could pass 16 bits
+                    if in_pairs and not five:  # nibbles: one 16-bit sum a group, widened once (`nibble_pairs`)
+                        merged = sums[0]
+                        for v in sums[1:]:
+                            merged = builder.add(merged, v)
+                        sums = [widen_pairs(builder, merged)]
+                    elif in_pairs:  # 5-bit codes: each accumulator widened apart (two could pass 16 bits)
                         sums = [widen_pairs(builder, v) for v in sums]
                     dot = sums[0]
                     for v in sums[1:]:
                         dot = builder.add(dot, v)
                     at = builder.add(sum_ix[i], g)
                     # the codes went in as code + bias (int8 codes: + 128, but for the sign trick; Q4_0's
-                    # nibbles: its -8 folded in): qbias = bias * sum(q), taken off in int32 (exact)
+                    # nibbles: its -8 folded in): qbias = -bias * sum(q), added in int32 (exact)
                     if not sign_trick:
-                        dot = builder.sub(dot, _splat(builder, builder.load(builder.gep(qbs.data, [at])), vi32))
+                        dot = builder.add(dot, _splat(builder, builder.load(builder.gep(qbs.data, [at])), vi32))
                     dxi = _splat(builder, builder.load(builder.gep(dxs.data, [at])), vf)
                     builder.store(_fma(builder, scale, builder.fmul(builder.sitofp(dot, vf), dxi),
                                        builder.load(total[i])), total[i])

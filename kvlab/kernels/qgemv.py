@@ -109,8 +109,8 @@ INF_BITS = np.int32(0x7F800000)
 @njit(cache=True, inline="always")
 def round_row(x, bits, m, group, bias, xq, dx, qbias, fsum):
     """Row m of x [M, K] rounded per group as model/act_quant.round_activations does (the same float32
-    steps): xq int8 [M, K], dx [M, G] the scales, qbias int32 [M, G] = bias * the sums of xq (what the
-    codes' bias adds to a group's integer dot: kernels/qdot.py), fsum = dx * the sums; `bits` is x's
+    steps): xq int8 [M, K], dx [M, G] the scales, qbias int32 [M, G] = -bias * the sums of xq (what
+    takes the codes' bias off a group's integer dot, by an add: kernels/qdot.py), fsum = dx * the sums; `bits` is x's
     float32 bits (int32).
     A group's largest magnitude is found on the float32 bits (sign cleared, a non-negative float orders
     as its bits do, and inf and NaN above every finite value): an integer max the loop vectorises,
@@ -138,7 +138,7 @@ def round_row(x, bits, m, group, bias, xq, dx, qbias, fsum):
                 xq[m, k0 + j] = np.int8(q)
                 total += np.int32(q)
         dx[m, g] = d
-        qbias[m, g] = bias * total
+        qbias[m, g] = -bias * total
         fsum[m, g] = d * np.float32(total)
 
 

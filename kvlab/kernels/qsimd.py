@@ -31,7 +31,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-LANES = 8
+from kvlab.kernels.layout import LANES
+
 UNROLL = {1: 4, 2: 2, 3: 2, 4: 2}
 _F32 = ir.FloatType()
 _I32 = ir.IntType(32)

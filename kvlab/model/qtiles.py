@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvlab.kernels.layout import BIT_PLANE, LANES
 from kvlab.model.ggml_quants import Unpacked
 
-LANES = 8
 # The widest nibble group the integer kernels take: on AVX2 without VNNI they keep nibbles' pair sums in 16
-# bits (kernels/qdot.nibble_pairs), eight sums of at most 2 * 15 * 127 an accumulator. Every GGUF type's is 32.
-NIBBLE_GROUP_MAX = 64
+# bits (kernels/qdot.nibble_pairs), a row's eight sums of at most 2 * 15 * 127 a group added in one 16-bit
+# lane before they are widened. Every GGUF type's nibble group is 32 columns.
+NIBBLE_GROUP_MAX = 32
 
 
 def _interleave(values: np.ndarray, tiles: int, groups: int) -> np.ndarray:
@@ -75,16 +76,25 @@ def to_dot_codes(codes: np.ndarray, groups: int) -> np.ndarray:
     return np.ascontiguousarray(shaped.transpose(0, 1, 2, 4, 3)).reshape(tiles, groups, width * LANES)
 
 
-def from_dot_codes(dot: np.ndarray, groups: int) -> np.ndarray:
-    """The inverse of `to_dot_codes`: [T, G, w * 8] quads -> tiled codes [T, G * w * 8]."""
+def from_dot_codes(dot: np.ndarray, groups: int, bias: int = 0) -> np.ndarray:
+    """Tiled codes (the float kernels' layout) of dot-layout codes: the inverse of `to_dot_codes`
+    ([T, G, w * 8] quads -> [T, G * w * 8]), or of `to_dot_codes5` where `dot` has four axes."""
+    if dot.ndim == 4:
+        return _from_dot_codes5(dot, groups, bias)
     tiles, width = dot.shape[0], dot.shape[2] // LANES
     shaped = dot.reshape(tiles, groups, width // 4, LANES, 4)
     return np.ascontiguousarray(shaped.transpose(0, 1, 2, 4, 3)).reshape(tiles, groups * width * LANES)
 
 
-def gather_dot_codes(dot: np.ndarray, index: np.ndarray) -> np.ndarray:
+def gather_dot_codes(dot: np.ndarray, index: np.ndarray, bias: int = 0) -> np.ndarray:
     """Row-ordered codes [len(index), G * w] of rows `index` (all in whole tiles) of dot-layout codes
-    [T, G, w * 8]: an embedding lookup reads the integer kernels' layout as it is, no second copy."""
+    [T, G, w * 8]: an embedding lookup reads the integer kernels' layout as it is, no second copy. 5-bit
+    codes (four axes) are widened a tile at a time, the tiles the rows sit in only, then the rows taken."""
+    if dot.ndim == 4:
+        groups = dot.shape[1]
+        tiled = _from_dot_codes5(dot[index // LANES], groups, bias).reshape(len(index), groups, FIVE_BIT_GROUP, LANES)
+        picked = tiled[np.arange(len(index)), :, :, index % LANES]
+        return np.ascontiguousarray(picked).reshape(len(index), groups * FIVE_BIT_GROUP)
     tiles, groups, width = dot.shape[0], dot.shape[1], dot.shape[2] // LANES
     shaped = dot.reshape(tiles, groups, width // 4, LANES, 4)
     return np.ascontiguousarray(shaped[index // LANES, :, :, index % LANES, :]).reshape(len(index), groups * width)
@@ -95,7 +105,11 @@ def gather_dot_codes(dot: np.ndarray, index: np.ndarray) -> np.ndarray:
 # is mostly Q5_0: its 576 columns are no multiple of 256, so llama.cpp falls back from Q4_K).
 FIVE_BIT_TYPES = ("Q5_0", "Q5_1", "Q5_K")
 FIVE_BIT_GROUP = 32  # columns a group: 16 nibble bytes a row (kernels/qdot.py takes four 32-byte loads a group)
-_BIT_PLANE = 4  # the plane of high bits after the four planes of nibbles ([T, G, 5, 32])
+
+
+def packs_five_bit(type_name: str, group: int) -> bool:
+    """Whether the dot layout keeps a matrix's codes 5 bits each (`to_dot_codes5`)."""
+    return type_name in FIVE_BIT_TYPES and group == FIVE_BIT_GROUP
 
 
 def to_dot_codes5(codes: np.ndarray, groups: int, bias: int) -> np.ndarray:
@@ -111,42 +125,25 @@ def to_dot_codes5(codes: np.ndarray, groups: int, bias: int) -> np.ndarray:
         raise ValueError(f"5-bit codes (plus bias {bias}) must lie in 0..31")
     half = FIVE_BIT_GROUP // 2
     nibbles = (u[:, :, :half] & 0x0F) | ((u[:, :, half:] & 0x0F) << 4)  # [T, G, 16, 8]: byte j, row r
-    planes = to_dot_codes(nibbles.reshape(tiles, groups * FIVE_BIT_GROUP // 2 * LANES), groups).reshape(tiles, groups, _BIT_PLANE, 32)
-    high = (u >> 4).reshape(tiles, groups, 2, _BIT_PLANE, 4, LANES)  # (half, load q, column c, row r)
+    planes = to_dot_codes(nibbles.reshape(tiles, groups * FIVE_BIT_GROUP // 2 * LANES), groups).reshape(tiles, groups, BIT_PLANE, 32)
+    high = (u >> 4).reshape(tiles, groups, 2, BIT_PLANE, 4, LANES)  # (half, load q, column c, row r)
     weights = (np.uint8(1) << np.arange(8, dtype=np.uint8)).reshape(1, 1, 2, 1, 4, 1)
     bits = (high * weights).sum(axis=(2, 4), dtype=np.uint8)  # [T, G, q, r]
     return np.ascontiguousarray(np.concatenate([planes, bits.reshape(tiles, groups, 1, 32)], axis=2))
 
 
-def from_dot_codes5(dot: np.ndarray, groups: int, bias: int) -> np.ndarray:
+def _from_dot_codes5(dot: np.ndarray, groups: int, bias: int) -> np.ndarray:
     """The inverse of `to_dot_codes5`: [T, G, 5, 32] -> tiled int8 codes [T, G * 32 * 8] (code, bias taken off)."""
     tiles = dot.shape[0]
-    nibbles = from_dot_codes(np.ascontiguousarray(dot[:, :, :_BIT_PLANE]).reshape(tiles, groups, _BIT_PLANE * 32),
+    nibbles = from_dot_codes(np.ascontiguousarray(dot[:, :, :BIT_PLANE]).reshape(tiles, groups, BIT_PLANE * 32),
                              groups)
     nibbles = nibbles.reshape(tiles, groups, FIVE_BIT_GROUP // 2, LANES)
     low = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=2)  # [T, G, 32, 8]
-    bits = dot[:, :, _BIT_PLANE].reshape(tiles, groups, 1, _BIT_PLANE, 1, LANES)
+    bits = dot[:, :, BIT_PLANE].reshape(tiles, groups, 1, BIT_PLANE, 1, LANES)
     shifts = np.arange(8, dtype=np.uint8).reshape(1, 1, 2, 1, 4, 1)
     high = ((bits >> shifts) & 1).reshape(tiles, groups, FIVE_BIT_GROUP, LANES)
     u = low | (high << 4)
     return (u.astype(np.int16) - bias).astype(np.int8).reshape(tiles, groups * FIVE_BIT_GROUP * LANES)
-
-
-def dot_codes_to_tiled(dot: np.ndarray, groups: int, bias: int) -> np.ndarray:
-    """Tiled codes (the float kernels' layout) of dot-layout codes of any kind (`to_dot_codes`, or
-    `to_dot_codes5` where `dot` has four axes)."""
-    return from_dot_codes5(dot, groups, bias) if dot.ndim == 4 else from_dot_codes(dot, groups)
-
-
-def gather_dot_codes_any(dot: np.ndarray, index: np.ndarray, bias: int) -> np.ndarray:
-    """`gather_dot_codes` for dot-layout codes of any kind: 5-bit ones widened a tile at a time (the tiles
-    the rows sit in only), then the rows taken."""
-    if dot.ndim != 4:
-        return gather_dot_codes(dot, index)
-    groups = dot.shape[1]
-    tiled = from_dot_codes5(dot[index // LANES], groups, bias).reshape(len(index), groups, FIVE_BIT_GROUP, LANES)
-    picked = tiled[np.arange(len(index)), :, :, index % LANES]
-    return np.ascontiguousarray(picked).reshape(len(index), groups * FIVE_BIT_GROUP)
 
 
 def row_ordered(tiled: np.ndarray | None, tail: np.ndarray | None, groups: int) -> np.ndarray | None:

@@ -23,9 +23,9 @@ from kvlab.errors import InputError
 from kvlab.model.ggml_quants import (BLOCK_SIZES, GROUPS, NIBBLE_TYPES, OFFSET_TYPES, Unpacked, dequantize,
                                      resident_bytes, unpack)
 from kvlab.model.act_quant import rounded
-from kvlab.model.qtiles import (FIVE_BIT_GROUP, FIVE_BIT_TYPES, LANES, NIBBLE_GROUP_MAX, dot_codes_to_tiled,
-                                expand_scales, factor_scales, gather_dot_codes_any, gather_rows, to_dot_codes,
-                                to_dot_codes5, to_tiles)
+from kvlab.model.qtiles import (LANES, NIBBLE_GROUP_MAX, expand_scales, factor_scales, from_dot_codes,
+                                gather_dot_codes, gather_rows, packs_five_bit, to_dot_codes, to_dot_codes5,
+                                to_tiles)
 
 MAX_KERNEL_ROWS = 16
 # Types kvlab can encode (llama.cpp's reference encoders in the gguf package); every ggml_quants type reads.
@@ -69,7 +69,7 @@ def _code_bytes(type_name: str, cols: int, layout: str) -> int:
     byte (qtiles.to_dot_codes5), every other code a byte."""
     if type_name in NIBBLE_TYPES:
         return cols // 2
-    return cols * 5 // 8 if layout == "dot" and type_name in FIVE_BIT_TYPES else cols
+    return cols * 5 // 8 if layout == "dot" and packs_five_bit(type_name, GROUPS[type_name]) else cols
 
 
 class QuantizedMatrix:
@@ -215,11 +215,11 @@ class QuantizedMatrix:
             return self._tiles
         _, dot_scales, dot_offsets, _, base_scales, base_offsets = self._dot
         if dot_scales.dtype == np.int8:  # a K type's factored scales: the float layout keeps them so too
-            codes = dot_codes_to_tiled(self._dot[0], self.tail.scales.shape[1], self._dot[3])
+            codes = from_dot_codes(self._dot[0], self.tail.scales.shape[1], self._dot[3])
             return Unpacked(codes, dot_scales, dot_offsets if dot_offsets.shape[0] else None, self.group, None,
                             base_scales, base_offsets if base_offsets.size else None)
         scales, offsets = self._dot_scales_offsets()
-        codes = dot_codes_to_tiled(self._dot[0], self.tail.scales.shape[1], self._dot[3])
+        codes = from_dot_codes(self._dot[0], self.tail.scales.shape[1], self._dot[3])
         fold = FOLDED_OFFSETS.get(self.type_name)
         if fold is not None and offsets is not None and self._dot[3] == 8:
             return Unpacked(codes, scales, None, self.group, fold)
@@ -233,7 +233,7 @@ class QuantizedMatrix:
     @property
     def _five_bit(self) -> bool:
         """Whether the dot layout keeps the codes 5 bits each (qtiles.to_dot_codes5)."""
-        return self.type_name in FIVE_BIT_TYPES and self.group == FIVE_BIT_GROUP
+        return packs_five_bit(self.type_name, self.group)
 
     @property
     def unpacked(self) -> Unpacked:
@@ -339,7 +339,7 @@ class QuantizedMatrix:
             picked = None
             if codes:
                 picked = np.empty((index.shape[0], self.tail.codes.shape[1]), dtype=self.tail.codes.dtype)
-                picked[inside] = gather_dot_codes_any(dot_codes, index[inside], bias)
+                picked[inside] = gather_dot_codes(dot_codes, index[inside], bias)
                 picked[~inside] = self.tail.codes[tail_rows]
             return Unpacked(picked, scales, offsets, self.group)
 
