@@ -11,7 +11,12 @@ each warm (called back to back) and after sweeping `--sweep` MB (a NumPy sum ove
 layer's weight stream), best of `--rounds`. The difference is what a call pays in cache and TLB misses on
 its code, its arguments' Python objects and its data: the per-call cost a step pays ~90 times.
 
-    PYTHONPATH=. python bench/bench_call_overhead.py [--sweep 4 18 64] [--rounds 30]
+With `--model FILE.gguf`, one more row: an empty numba function given a real one-call decode block's
+arguments (kernels/decode_block.py: 18 arguments, the weights as nested tuples of arrays, as a decode step
+of that model passes them, captured from one step): what the dispatcher's typing and unboxing cost each of
+a step's blocks (one a layer) before any arithmetic.
+
+    PYTHONPATH=. python bench/bench_call_overhead.py [--sweep 4 18 64] [--rounds 30] [--model FILE.gguf]
 """
 
 from __future__ import annotations
@@ -37,6 +42,34 @@ def _empty(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o):  # noqa: E741 - fifteen
     return 0
 
 
+@njit
+def _empty18(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, q, r):  # noqa: E741 - decode_block's eighteen
+    return 0
+
+
+def decode_block_arguments(path: str) -> tuple[tuple, int]:
+    """The arguments of the first one-call block of a decode step of the model at `path` (its default
+    mode), captured from the ops, and how many leaves (arrays and scalars) they hold."""
+    import kvlab
+
+    model, tokenizer = kvlab.load(path)
+    captured: list[tuple] = []
+    block = model.ops._decode_block
+    model.ops._decode_block = lambda *a: (captured.append(a), block(*a))[1]
+    cache = model.new_cache(1)
+    model.forward(np.array([tokenizer.encode("The quick brown fox")]), cache=cache)
+    captured.clear()
+    model.forward(np.array([[5]]), cache=cache)
+    model.ops._decode_block = block
+    if not captured:
+        raise SystemExit(f"{path}: its decode step makes no one-call block (a float64 model, or fusion off)")
+
+    def leaves(x) -> int:
+        return sum(leaves(y) for y in x) if isinstance(x, tuple) else 1
+
+    return captured[0], leaves(captured[0])
+
+
 def best_us(call, prepare, rounds: int) -> float:
     best = float("inf")
     for _ in range(rounds):
@@ -51,6 +84,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sweep", type=float, nargs="+", default=[4, 18, 64], help="MB streamed between calls")
     p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--model", help="a GGUF file: time the dispatch of its decode block's real arguments")
     args = p.parse_args()
     rng = np.random.default_rng(0)
     keys, values = (rng.standard_normal((1, 3, 256, 64)).astype(np.float32) for _ in range(2))
@@ -69,6 +103,9 @@ def main() -> None:
     calls = {"empty njit, 15 args": lambda: _empty(q, kc, ks, kz, vc, vs, vz, kind, group, tables, starts,
                                                    starts, 1, out, np.float32(0)),
              "decode attention, 1 key": decode(1), "decode attention, 128 keys": decode(128)}
+    if args.model:
+        block_args, leaves = decode_block_arguments(args.model)
+        calls[f"empty njit, a block's {leaves} arrays"] = lambda: _empty18(*block_args)
     for call in calls.values():
         call()
     sweeps = {mb: np.ones(int(mb * 2**20) // 4, np.float32) for mb in args.sweep}
