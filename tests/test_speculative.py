@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import kvlab
 from kvlab import Engine, SamplingParams, TinyLlama
-from kvlab.engine.speculative import SpeculativeConfig, accept, adapt, ngram_lookup
+from kvlab.engine.speculative import MAX_PAUSE, SpeculativeConfig, accept, adapt, ngram_lookup
 from kvlab.errors import ConfigError
 from kvlab.hf import DEFAULT_MODEL_DIR
 
@@ -112,9 +112,19 @@ def test_accept_draws_once_per_emitted_token_and_stops_at_the_first_disagreement
 
 
 def test_adapt_backs_off_when_nothing_is_kept_and_grows_back():
-    assert adapt(4, 4, 4, 0) == 2 and adapt(2, 4, 2, 0) == 1 and adapt(1, 4, 1, 0) == 1
-    assert adapt(2, 4, 2, 2) == 3 and adapt(4, 4, 4, 4) == 4
-    assert adapt(3, 4, 3, 1) == 3
+    assert adapt(4, 4, 4, 0) == (2, 0, 0) and adapt(2, 4, 2, 0) == (1, 0, 0)
+    assert adapt(2, 4, 2, 2) == (3, 0, 0) and adapt(4, 4, 4, 4) == (4, 0, 0)
+    assert adapt(3, 4, 3, 1, misses=2) == (3, 0, 0)  # a guess kept: the misses are forgotten
+    assert adapt(3, 4, 0, 0, misses=2) == (3, 0, 2)  # nothing guessed: nothing learnt
+
+
+def test_a_rejected_single_guess_sits_out_steps_doubling_up_to_max_pause():
+    k, misses, pauses = 1, 0, []
+    for _ in range(7):
+        k, pause, misses = adapt(k, 4, 1, 0, misses)
+        pauses.append(pause)
+    assert k == 1 and pauses == [1, 2, 4, 8, 16, 16, 16] and MAX_PAUSE == 16
+    assert adapt(1, 4, 1, 1, misses) == (2, 0, 0)  # kept: no pause, and the next miss sits out one step
 
 
 # --- the text is plain decoding's -------------------------------------------------------------------------

@@ -76,6 +76,7 @@ class Sequence:
         self.kv_view: Any = None  # a cache policy's kept rows (kvlab/engine/kv_bounds.py PolicyView)
         self.draft: list[int] = []  # this step's speculative guesses (kvlab/engine/speculative.py)
         self.num_speculative_tokens = 0  # the adaptive guess count (0: this sequence does not speculate)
+        self.spec_pause = self.spec_misses = 0  # steps to sit out, and one-guess verifications that kept nothing
         self.num_drafted = self.num_accepted = 0  # guesses made and kept over its life (explorer, stats)
 
     @property

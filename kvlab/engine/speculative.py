@@ -22,8 +22,13 @@ Proposers (vLLM's `speculative_config` spelling):
     are the guesses. Free when nothing matches (no guesses, no extra rows).
   * "draft_model": a smaller model with the same tokenizer runs greedily ahead of the target on its own
     contiguous cache (kvlab/engine/draft.py).
-Adaptive: no guesses at all while `disable_by_batch_size` or more sequences run; each sequence's guess count halves after a verification that kept nothing and grows back by one
-after one that kept everything, so text that does not repeat its input pays for few wasted rows.
+Adaptive: no guesses at all while `disable_by_batch_size` or more sequences run; each sequence's guess count
+halves after a verification that kept nothing and grows back by one after one that kept everything; and once
+a single guess is rejected too, the sequence sits out 1, then 2, 4 .. MAX_PAUSE steps while its one-guess
+verifications keep failing (any kept guess ends the pause's doubling). Free text, where the lookup matches
+but the model goes its own way, then pays for a verification row now and then rather than every step: on an
+AVX2 CPU without VNNI two rows cost a step ~1.2x one row (README, issue 37), more than a guess kept 17 % of
+the time buys back.
 """
 
 from __future__ import annotations
@@ -120,14 +125,6 @@ def ngram_lookup(token_ids: list[int], max_tokens: int, lookup_max: int, lookup_
 
 
 @dataclass
-class SpecState:
-    """A sequence's speculation: this step's guesses and its adaptive guess count."""
-
-    draft: list[int]
-    k: int
-
-
-@dataclass
 class Acceptance:
     """What verification kept: the tokens to emit (accepted guesses, then the bonus token) and how many of
     the guesses survived."""
@@ -149,13 +146,22 @@ def accept(draft: list[int], rows: np.ndarray, draw: Any) -> Acceptance:
     raise AssertionError("unreachable")
 
 
-def adapt(k: int, k_max: int, num_drafted: int, num_accepted: int) -> int:
-    """The next guess count: halved after keeping none, one more after keeping all (at most k_max)."""
-    if num_drafted and num_accepted == 0:
-        return max(1, k // 2)
-    if num_drafted and num_accepted == num_drafted:
-        return min(k_max, k + 1)
-    return k
+MAX_PAUSE = 16  # the most steps a sequence sits out after its one-guess verifications kept nothing
+
+
+def adapt(k: int, k_max: int, num_drafted: int, num_accepted: int, misses: int = 0) -> tuple[int, int, int]:
+    """(the next guess count, steps to sit out, one-guess misses in a row) after a verification: the count
+    halved after keeping none, one more after keeping all (at most k_max); a single guess rejected sits out
+    2 ** misses steps (at most MAX_PAUSE), misses counting up until a guess is kept."""
+    if not num_drafted:
+        return k, 0, misses
+    if num_accepted == 0:
+        if k == 1:
+            return 1, min(MAX_PAUSE, 2 ** misses), misses + 1
+        return max(1, k // 2), 0, misses
+    if num_accepted == num_drafted:
+        return min(k_max, k + 1), 0, 0
+    return k, 0, 0
 
 
 class Speculator:
@@ -193,6 +199,9 @@ class Speculator:
             return
         if seq.num_speculative_tokens == 0:
             seq.num_speculative_tokens = self.config.num_speculative_tokens
+        if seq.spec_pause > 0:  # its last single guess was rejected: this step decodes one token (`adapt`)
+            seq.spec_pause -= 1
+            return
         left = seq.request.max_tokens - (seq.num_tokens - seq.request.num_prompt_tokens)
         room = min(seq.num_speculative_tokens, left - 1, self.max_model_len - seq.num_tokens)
         rows = self.bounds.rows_before_eviction(seq)
@@ -229,8 +238,9 @@ class Speculator:
             per_pos[i] += 1
         seq.num_drafted += len(draft)
         seq.num_accepted += result.num_accepted
-        seq.num_speculative_tokens = adapt(seq.num_speculative_tokens, self.config.num_speculative_tokens,
-                                           len(draft), result.num_accepted)
+        seq.num_speculative_tokens, seq.spec_pause, seq.spec_misses = adapt(
+            seq.num_speculative_tokens, self.config.num_speculative_tokens, len(draft), result.num_accepted,
+            seq.spec_misses)
         if self.draft is not None:
             self.draft.rollback(seq)
         if reason is not None:
