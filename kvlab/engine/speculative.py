@@ -27,8 +27,9 @@ halves after a verification that kept nothing and grows back by one after one th
 a single guess is rejected too, the sequence sits out 1, then 2, 4 .. MAX_PAUSE steps while its one-guess
 verifications keep failing (any kept guess ends the pause's doubling). Free text, where the lookup matches
 but the model goes its own way, then pays for a verification row now and then rather than every step: on an
-AVX2 CPU without VNNI two rows cost a step ~1.2x one row (README, issue 37), more than a guess kept 17 % of
-the time buys back.
+AVX2 CPU without VNNI two rows cost a step 1.3-1.4x one row (Zen 3, `python bench/bench_ab_decode.py --old .
+--new . --configs numba-q4_1+q8-1:256 numba-q4_1+q8-2:256`), more than a guess kept 17 % of the time buys
+back.
 """
 
 from __future__ import annotations
