@@ -74,7 +74,8 @@ def _make_peak(rows: int, nibbles: bool):
                     for p, codes in enumerate(parts):
                         for i in range(rows):
                             a = acc[i][first % accs]
-                            x4 = builder.load(builder.gep(x_data, [builder.add(x_step, ir.Constant(_I64, (i * LOADS + u) * 2 + p))]))
+                            at = builder.add(x_step, ir.Constant(_I64, (i * LOADS + u) * 2 + p))
+                            x4 = builder.load(builder.gep(x_data, [at]))
                             builder.store(qdot._dpbusd(builder, builder.load(a), codes, x4, nibbles, magnitudes), a)
                         first += 1
             total = ir.Constant(_V8I32, None)

@@ -35,7 +35,8 @@ Two ways to write them (`--via`):
     python bench/make_1b_gguf.py --shape qwen3-0.6b --via converter --types F16 Q8_0 --out /work/models \\
         --llama-cpp /work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp    # qwen3-0.6b-F16.gguf ...
 
-Keep the files out of git (llama-1b: 603 MiB Q4_0, 1.1 GiB Q8_0; llama-3b: 1.7 GiB Q4_0, 3.2 GiB Q8_0; qwen3-0.6b: 0.9 GiB F16, 0.5 GiB Q8_0):
+Keep the files out of git (llama-1b: 603 MiB Q4_0, 1.1 GiB Q8_0; llama-3b: 1.6 GiB Q4_0, 2.9 GiB Q8_0;
+qwen3-0.6b: 0.9 GiB F16, 0.5 GiB Q8_0):
 they rebuild in about a minute each.
 """
 

@@ -39,8 +39,8 @@ features numba compiles for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES or the host's).
 `tile_dot_R(xq, m0, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, t, out)` (R = 1..4
 or 8 rows of x) writes out[m0:m0+R, 8t:8t+8]: xq int8 [M, K], dx float32 [M, G] the groups' scales, qbias
 int32 [M, G] = -bias * the sums of the int8 values (added to each group's int32 dot: a broadcast from
-memory and an add, where the subtraction of a positive one took four instructions), fsum float32 [M, G] = dx * sum (read only when offsets has rows), codes int8 or uint8
-(nibbles) [T, G, bytes], scales float32, float16 bits (uint16) or factored int8, offsets float32 or
+memory and an add, where the subtraction of a positive one took four instructions), fsum float32 [M, G] =
+dx * sum (read only when offsets has rows), codes int8 or uint8 (nibbles) [T, G, bytes], scales float32, float16 bits (uint16) or factored int8, offsets float32 or
 factored int8 [T, G*8] (as for the float kernels), base_scales / base_offsets float32 [T, SB*8] the
 factored ones' bases (no columns otherwise). Per group and
 row the epilogue is four vector instructions: add qbias, convert, multiply by dx, fma by the scale

@@ -110,8 +110,8 @@ INF_BITS = np.int32(0x7F800000)
 def round_row(x, bits, m, group, bias, xq, dx, qbias, fsum):
     """Row m of x [M, K] rounded per group as model/act_quant.round_activations does (the same float32
     steps): xq int8 [M, K], dx [M, G] the scales, qbias int32 [M, G] = -bias * the sums of xq (what
-    takes the codes' bias off a group's integer dot, by an add: kernels/qdot.py), fsum = dx * the sums; `bits` is x's
-    float32 bits (int32).
+    takes the codes' bias off a group's integer dot, by an add: kernels/qdot.py), fsum = dx * the sums;
+    `bits` is x's float32 bits (int32).
     A group's largest magnitude is found on the float32 bits (sign cleared, a non-negative float orders
     as its bits do, and inf and NaN above every finite value): an integer max the loop vectorises,
     which tells a non-finite group apart in the same pass (it rounds to zero with scale NaN)."""

@@ -125,7 +125,8 @@ def to_dot_codes5(codes: np.ndarray, groups: int, bias: int) -> np.ndarray:
         raise ValueError(f"5-bit codes (plus bias {bias}) must lie in 0..31")
     half = FIVE_BIT_GROUP // 2
     nibbles = (u[:, :, :half] & 0x0F) | ((u[:, :, half:] & 0x0F) << 4)  # [T, G, 16, 8]: byte j, row r
-    planes = to_dot_codes(nibbles.reshape(tiles, groups * FIVE_BIT_GROUP // 2 * LANES), groups).reshape(tiles, groups, BIT_PLANE, 32)
+    planes = to_dot_codes(nibbles.reshape(tiles, groups * FIVE_BIT_GROUP // 2 * LANES), groups)
+    planes = planes.reshape(tiles, groups, BIT_PLANE, 32)
     high = (u >> 4).reshape(tiles, groups, 2, BIT_PLANE, 4, LANES)  # (half, load q, column c, row r)
     weights = (np.uint8(1) << np.arange(8, dtype=np.uint8)).reshape(1, 1, 2, 1, 4, 1)
     bits = (high * weights).sum(axis=(2, 4), dtype=np.uint8)  # [T, G, q, r]
