@@ -51,21 +51,24 @@ def pytest_runtest_setup(item) -> None:
     _test[0] = item.nodeid
 
 
-_WORKER_DIR = os.path.join(tempfile.gettempdir(), f"numba_compile_log.{os.getppid()}")
+def _records_folder(controller: int) -> str:
+    """Where the xdist workers of the controller process `controller` leave their records."""
+    return os.path.join(tempfile.gettempdir(), f"numba_compile_log.{controller}")
 
 
 def pytest_sessionfinish(session) -> None:
     """An xdist worker has no terminal: it leaves its records for the controller (its parent process)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:
-        os.makedirs(_WORKER_DIR, exist_ok=True)
-        with open(os.path.join(_WORKER_DIR, f"{worker}.json"), "w") as f:
+        folder = _records_folder(os.getppid())
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"{worker}.json"), "w") as f:
             json.dump(_records, f)
 
 
 def _worker_records() -> list[dict]:
     """The records the controller's workers left (their parent is this process)."""
-    folder = os.path.join(tempfile.gettempdir(), f"numba_compile_log.{os.getpid()}")
+    folder = _records_folder(os.getpid())
     if not os.path.isdir(folder):
         return []
     records: list[dict] = []
