@@ -114,8 +114,8 @@ if AVAILABLE:
 
     @njit(cache=True)  # cached: a test-local kernel, not cached, compiled its ~40 s in every run
     def stacked_runner(x, w, out):
-        """qdecode_layer._stacked (an overload: callable from compiled code only) from Python."""
-        qdecode_layer._stacked(x, w, out)
+        """qdecode_layer._product (an overload: callable from compiled code only) from Python."""
+        qdecode_layer._product(x, w, out)
 
 
 @needs_numba
@@ -127,7 +127,7 @@ if AVAILABLE:
 @given(heights=st.lists(st.integers(1, 28), min_size=3, max_size=3), rows=st.integers(1, 16),
        seed=st.integers(0, 2**16))
 def test_stacked_products_are_each_parts_product_in_its_columns(types, activations, heights, rows, seed):
-    """The fused kernels' stack (q/k/v or gate/up of different types, kernels/qdecode_layer._stacked) puts
+    """The fused kernels' stack (q/k/v or gate/up of different types, kernels/qdecode_layer._product) puts
     each part's product in its columns, bit for bit what that matrix gives alone: with int8 activations the
     model's own q8 product of it, in the float layout the same kernels run on that matrix alone (and near
     the dequantized float64 product); parts of any height, tails of fewer than eight rows included, one to

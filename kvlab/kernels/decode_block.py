@@ -20,45 +20,19 @@ through the decode kernel (model/attention.py `fused_step`): a decode step (one 
 in the engine with batch-invariant attention (int8 activations, the default for block-quantized files) any
 step, speculative verification rows and prefill chunks included, each row a one-query "sequence" with its
 own key range. Other steps (exact-mode prefill chunks, float16 / bfloat16 caches, whose writes round, a
-contiguous cache of codes) take the three calls. The weights' kind picks the kernels when numba compiles:
-float matrices (2-D arrays) decode_layer's, quantized ones (kernel_args tuples) qdecode_layer's.
+contiguous cache of codes) take the three calls. The weights' kind picks the entry: `decode_block` over
+float matrices (decode_layer's kernels, model/ops.py's CompiledOps), `qdecode_block` over quantized ones
+(kernel_args tuples, qdecode_layer's, QuantizedOps); the pool's kind picks the attention when numba compiles.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, types
+from numba import njit
 from numba.extending import overload
 
 from kvlab.kernels import decode_layer, qdecode_layer
 from kvlab.kernels.attention import write_and_attend, write_codes_and_attend
-
-
-def _qkv_rope(x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, out, zero):
-    """decode_layer.qkv_rope for float matrices, qdecode_layer.qkv_rope for quantized ones."""
-
-
-def _output_mlp(x, attn, w_o, b_o, norm, eps, w_gate_up, w_down, zero):
-    """decode_layer.output_mlp for float matrices, qdecode_layer.output_mlp for quantized ones."""
-
-
-@overload(_qkv_rope)
-def _qkv_rope_impl(x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, out, zero):
-    if isinstance(w_qkv, types.Array):
-        return lambda x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, out, zero: \
-            decode_layer.qkv_rope(x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, out,
-                                  zero)
-    return lambda x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, out, zero: \
-        qdecode_layer.qkv_rope(x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, out, zero)
-
-
-@overload(_output_mlp)
-def _output_mlp_impl(x, attn, w_o, b_o, norm, eps, w_gate_up, w_down, zero):
-    if isinstance(w_o, types.Array):
-        return lambda x, attn, w_o, b_o, norm, eps, w_gate_up, w_down, zero: \
-            decode_layer.output_mlp(x, attn, w_o, b_o, norm, eps, w_gate_up, w_down, zero)
-    return lambda x, attn, w_o, b_o, norm, eps, w_gate_up, w_down, zero: \
-        qdecode_layer.output_mlp(x, attn, w_o, b_o, norm, eps, w_gate_up, w_down, zero)
 
 
 def _attend(qkv, heads, attention, out, zero):
@@ -78,17 +52,38 @@ def _attend_impl(qkv, heads, attention, out, zero):
         attention[13], attention[14], attention[15], out, zero)
 
 
+@njit(inline="always")
+def _block(qkv_rope, output_mlp, x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, zero,
+           attention, w_o, b_o, post_norm, w_gate_up, w_down):
+    """The block's three steps with the layer kernels `qkv_rope` and `output_mlp` (decode_layer's or
+    qdecode_layer's), inlined into each entry below: numba links a called kernel's code into its caller and
+    optimises and compiles the whole again, so each level of calls between the block and its products is
+    one more pass over all of them when a variant compiles. The weights' kind picked by an `overload` was
+    such a level (with qdecode_layer's `_stacked` before `_product`: the cold compiles of
+    tests/test_decode_block.py and test_families_gguf's quantized files took 401 s instead of 441)."""
+    seqs, d = x.shape[0], 2 * cos.shape[2]
+    qkv = np.empty((seqs, (rotated_heads + attention[0].shape[1]) * d), dtype=x.dtype)
+    qkv_rope(x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, qkv, zero)
+    attn = np.empty((seqs, q_heads, d), dtype=x.dtype)
+    _attend(qkv, q_heads, attention, attn, zero)
+    output_mlp(x, attn.reshape(seqs, q_heads * d), w_o, b_o, post_norm, eps, w_gate_up, w_down, zero)
+
+
 @njit(cache=True)
 def decode_block(x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, zero, attention, w_o,
                  b_o, post_norm, w_gate_up, w_down):
-    """x [S, hidden] through one block, in place: `qkv_rope` (its arguments as there, its output a buffer
-    made here), attention.write_and_attend over `attention` (the tuple model/attention.py's `fused_step`
-    gives: k_blocks, v_blocks, slot_blocks, slot_rows, tables, starts, ends, span, threads, scale; over
-    codes, write_codes_and_attend's operands), then `output_mlp` with the post-attention norm
+    """x [S, hidden] through one block of float matrices, in place: `qkv_rope` (its arguments as there, its
+    output a buffer made here), attention.write_and_attend over `attention` (the tuple model/attention.py's
+    `fused_step` gives: k_blocks, v_blocks, slot_blocks, slot_rows, tables, starts, ends, span, threads,
+    scale; over codes, write_codes_and_attend's operands), then `output_mlp` with the post-attention norm
     `post_norm`."""
-    seqs, d = x.shape[0], 2 * cos.shape[2]
-    qkv = np.empty((seqs, (rotated_heads + attention[0].shape[1]) * d), dtype=x.dtype)
-    _qkv_rope(x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, qkv, zero)
-    attn = np.empty((seqs, q_heads, d), dtype=x.dtype)
-    _attend(qkv, q_heads, attention, attn, zero)
-    _output_mlp(x, attn.reshape(seqs, q_heads * d), w_o, b_o, post_norm, eps, w_gate_up, w_down, zero)
+    _block(decode_layer.qkv_rope, decode_layer.output_mlp, x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads,
+           cos, sin, rotated_heads, zero, attention, w_o, b_o, post_norm, w_gate_up, w_down)
+
+
+@njit(cache=True)
+def qdecode_block(x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, zero, attention,
+                  w_o, b_o, post_norm, w_gate_up, w_down):
+    """`decode_block` over quantized matrices (kernel_args tuples, or stacks of them: qdecode_layer.py)."""
+    _block(qdecode_layer.qkv_rope, qdecode_layer.output_mlp, x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads,
+           cos, sin, rotated_heads, zero, attention, w_o, b_o, post_norm, w_gate_up, w_down)

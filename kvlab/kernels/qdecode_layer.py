@@ -9,7 +9,7 @@ QuantizedOps for up to MAX_KERNEL_ROWS rows; attention in between is attention.p
 
 A matrix is passed as the tuple `kernel_args` makes: (codes, scales, offsets, tail codes, tail scales,
 tail offsets, group, factor, base scales, base offsets), model/qtiles.py's layout; q/k/v (gate/up) of
-different types as a tuple of two or three such tuples, each its own product into its columns (`_stacked`).
+different types as a tuple of two or three such tuples, each its own product into its columns (`_product`).
 With the codes in the integer dot-product layout (3-D, `qtiles.to_dot_codes`, or 4-D for 5-bit codes) the
 same two calls round each product's input to int8 and take integer dot products (the model's
 `activations="q8"`, kernels/qdot.py): `_product` picks the kind by the codes' rank when numba compiles, one
@@ -33,8 +33,11 @@ from kvlab.kernels.qgemv import dot_product, group_sums_into, product_tile, tail
 
 
 def _product(x, w, out):
-    """out = x @ w.T, w a `kernel_args` tuple: tiles over the threads, the tail on the last index. Codes in
-    the integer dot-product layout (3-D or 4-D, `activations="q8"`) round x to int8 first (qgemv.round_rows);
+    """out = x @ W.T, W one matrix (a `kernel_args` tuple: tiles over the threads, the tail on the last index)
+    or matrices stacked by rows whose types differ (a tuple of 2 or 3 of them: a Q4_K_M file's Q4_K q/k beside
+    its Q6_K v), each part its own product into its columns, exactly as it would run alone (its own rounding
+    of x to int8: with int8 activations a row gets the bits the step-by-step RowStack gives it). Codes in the
+    integer dot-product layout (3-D or 4-D, `activations="q8"`) round x to int8 first (qgemv.round_rows);
     float codes read x as it is, with the group sums its offsets multiply taken once."""
 
 
@@ -55,25 +58,9 @@ def _float_product(x, w, out):
             tail_rows(x, xsum, w[3], w[4], w[5], w[6], out, tiles * 8)
 
 
-# One call per product, parallel inside (a call per tile from a prange body would pay numba's reference
-# counting of every array argument on both threads at once: contended atomics, per tile).
-@overload(_product)
-def _product_impl(x, w, out):
-    if w[0].ndim >= 3:  # the dot layout: [T, G, bytes], or [T, G, 5, 32] for 5-bit codes
-        return lambda x, w, out: dot_product(x, w, out)
-    return lambda x, w, out: _float_product(x, w, out)
-
-
-def _stacked(x, w, out):
-    """out = x @ W.T for W one matrix (a `kernel_args` tuple) or matrices stacked by rows whose types differ
-    (a tuple of 2 or 3 of them: a Q4_K_M file's Q4_K q/k beside its Q6_K v), each product into its columns.
-    Each part is its own product, exactly as it would run alone through these kernels (its own rounding of
-    x to int8: with int8 activations a row gets the bits the step-by-step RowStack gives it)."""
-
-
 @njit(cache=True)
 def _part(x, w, out, start):
-    """Columns start.. of out = x @ w.T for one matrix w; returns the column after them."""
+    """Columns start.. of out = x @ w.T for one matrix w of a stack; returns the column after them."""
     rows = w[0].shape[0] * 8 + w[4].shape[0]
     part = np.empty((x.shape[0], rows), dtype=out.dtype)
     _product(x, w, part)
@@ -81,10 +68,16 @@ def _part(x, w, out, start):
     return start + rows
 
 
-@overload(_stacked)
-def _stacked_impl(x, w, out):
+# One call per product, parallel inside (a call per tile from a prange body would pay numba's reference
+# counting of every array argument on both threads at once: contended atomics, per tile). One matrix goes
+# straight to its kernel: each level of calls between a layer and its products is one more pass over their
+# code when numba compiles a variant (decode_block.py's `_block`).
+@overload(_product)
+def _product_impl(x, w, out):
     if isinstance(w[0], types.Array):
-        return lambda x, w, out: _product(x, w, out)
+        if w[0].ndim >= 3:  # the dot layout: [T, G, bytes], or [T, G, 5, 32] for 5-bit codes
+            return lambda x, w, out: dot_product(x, w, out)
+        return lambda x, w, out: _float_product(x, w, out)
     if len(w) == 2:
         return lambda x, w, out: _part(x, w[1], out, _part(x, w[0], out, 0))
     if len(w) == 3:
@@ -94,13 +87,13 @@ def _stacked_impl(x, w, out):
 
 @njit(fastmath={"reassoc", "contract"}, cache=True, error_model="numpy")  # rms_norm_heads divides (gemv.py)
 def qkv_rope(x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, out, zero):
-    """out [B, (H_q + 2 H_kv) d] = rms_norm(x) @ w_qkv.T + bias (w_qkv one matrix or a stack: `_stacked`),
+    """out [B, (H_q + 2 H_kv) d] = rms_norm(x) @ w_qkv.T + bias (w_qkv one matrix or a stack: `_product`),
     then the per-head q/k norms (q_norm, k_norm [d], empty for none), then RoPE on the first `rotated_heads` heads: cos[b], sin[b] [2, d/2]
     row b's rotation, sin sign-folded ([-sin, sin]) as the model's `rotate_halves`. An empty `bias`
     means none."""
     xn = np.empty_like(x)
     rms_norm_rows(x, norm, eps, xn, zero)
-    _stacked(xn, w_qkv, out)
+    _product(xn, w_qkv, out)
     bias_norm_rope_rows(out, bias, q_norm, k_norm, q_heads, eps, zero, cos, sin, rotated_heads)
 
 
@@ -118,7 +111,7 @@ def output_mlp(x, attn, w_o, b_o, norm, eps, w_gate_up, w_down, zero):
     rms_norm_rows(x, norm, eps, xn, zero)
     inter = w_down[4].shape[1] * w_down[6]  # the down matrix's width
     gate_up = np.empty((batch, 2 * inter), dtype=x.dtype)
-    _stacked(xn, w_gate_up, gate_up)
+    _product(xn, w_gate_up, gate_up)
     act = np.empty((batch, inter), dtype=x.dtype)
     swiglu_batch(gate_up, act)
     down = np.empty((batch, hidden), dtype=x.dtype)

@@ -304,8 +304,9 @@ class QuantizedOps(CompiledOps):
     def __init__(self, config: ModelConfig, dtype: np.dtype, activations: str = "float32") -> None:
         super().__init__(config, dtype)
         from kvlab.kernels import qdecode_layer, qgemv  # numba loads only for this backend
+        from kvlab.kernels.decode_block import qdecode_block
 
-        self._qfused, self._kernel_args = qdecode_layer, qgemv.kernel_args
+        self._qfused, self._kernel_args, self._decode_block = qdecode_layer, qgemv.kernel_args, qdecode_block
         self._dot_kernel_args = qgemv.dot_kernel_args
         self.activations = activations
         if activations == "q8":  # the integer products beat bands + BLAS at any row count: one path for all
@@ -324,7 +325,7 @@ class QuantizedOps(CompiledOps):
                                        for name in ("w_qkv", "w_o", "w_gate_up", "w_down"))
 
         def args(w: Any) -> tuple | None:
-            if isinstance(w, RowStack):  # types differ: a tuple of the parts' tuples (qdecode_layer._stacked)
+            if isinstance(w, RowStack):  # types differ: a tuple of the parts' tuples (qdecode_layer._product)
                 parts = [args(p) for p in w.parts]
                 return None if None in parts or len(parts) > 3 else tuple(parts)
             if not isinstance(w, QuantizedMatrix):
