@@ -13,6 +13,8 @@ A config is BACKEND-WEIGHTS-BATCH[-CACHE]:CONTEXT, WEIGHTS f32, bf16 or a block 
 q4_0, q4_1, q5_0, q5_1: quantized at load, both trees must have kvlab.model.quantized; "+q8" after one,
 e.g. q8_0+q8, rounds the products' inputs to int8: `activations="q8"`), CACHE a K/V cache
 dtype (float16, int8, int4, fp8_e4m3, ...; default the compute dtype), e.g. numba-f32-1-int8:4096.
+WEIGHTS `file` runs the model `--model PATH` loads (a GGUF file or HF folder, kvlab's defaults: e.g. a 1B
+Q4_K_M file's int8-activation products), e.g. `--model llama1b-Q4_K_M.gguf --configs numba-file-1:128`.
 """
 
 from __future__ import annotations
@@ -36,14 +38,17 @@ config = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, 
                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
                      rope_theta=100000.0, max_position_embeddings=8192, rms_norm_eps=1e-5)
 weights = random_weights(config, 0, np.float32)
-models = {}
+models, model_path = {}, sys.argv[1]
 print("ready", flush=True)
 for line in sys.stdin:
     name, context, steps = line.split()
     context, steps = int(context), int(steps)
     backend, kind, batch, *cache_dtype = name.split("-", 3)
     if name not in models:
-        if kind in ("f32", "bf16"):
+        if kind == "file":  # the model --model names, as kvlab loads it by default
+            import kvlab
+            models[name] = kvlab.load(model_path)[0]
+        elif kind in ("f32", "bf16"):
             models[name] = LlamaModel(config, weights, dtype=np.float32, backend=backend,
                                       weights_dtype=None if kind == "f32" else "bfloat16")
         else:  # a GGUF block type, quantized at load with llama.cpp's encoder and kept as stored
@@ -55,7 +60,7 @@ for line in sys.stdin:
         with compiling_kernels():  # first run only: said, and never inside a timed step
             models[name].warm_up()
     model, batch = models[name], int(batch)
-    ids = np.random.default_rng(0).integers(0, config.vocab_size, (batch, context + steps))
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (batch, context + steps))
     cache = model.new_cache(batch, kv_dtype=cache_dtype[0] if cache_dtype else None, capacity=context + steps + 1)
     model.forward(ids[:, :context], cache=cache, logits_to_keep=1)
     times = []
@@ -74,13 +79,15 @@ def main() -> None:
     p.add_argument("--configs", nargs="+", default=["numba-f32-1:128", "numba-bf16-1:128", "numba-f32-16:128"])
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--model", default="", help="the model a `file` config loads (GGUF file or HF folder)")
     args = p.parse_args()
     trees = {"old": os.path.abspath(args.old), "new": os.path.abspath(args.new)}
     workers = {}
     for key, root in trees.items():
         env = dict(os.environ, PYTHONPATH=root)
         env.setdefault("OPENBLAS_THREAD_TIMEOUT", "12")  # kvlab's default: the worker imports NumPy first
-        workers[key] = subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE,
+        workers[key] = subprocess.Popen([sys.executable, "-c", WORKER, os.path.abspath(args.model) if args.model
+                                         else ""], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True, env=env, cwd=root)
         assert workers[key].stdout.readline().strip() == "ready"
     configs = [c.split(":") for c in args.configs]
