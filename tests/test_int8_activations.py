@@ -190,7 +190,7 @@ def test_every_code_path_of_the_integer_kernel(monkeypatch, path):
     # int8 codes with float16 scales (as bits); nibbles with offsets; Q4_0's offsets folded; K types' scales
     # (and Q4_K's offsets) factored: int8 a group times a float32 base a super-block
     for type_name, scale_dtype, bias in (("Q8_0", np.uint16, 128), ("Q4_1", np.uint16, 0),
-                                         ("Q4_0", np.uint16, 8), ("Q6_K", np.int8, 128), ("Q4_K", np.int8, 0),
+                                         ("Q4_0", np.uint16, 8), ("Q6_K", np.int8, 32), ("Q4_K", np.int8, 0),
                                          ("Q5_0", np.uint16, 16), ("Q5_1", np.uint16, 0), ("Q5_K", np.int8, 0)):
         raw = blocks(type_name, 8, 256, rng, "normal")
         matrix = QuantizedMatrix.from_blocks(type_name, raw, (8, 256))
@@ -384,13 +384,14 @@ def test_the_cli_takes_the_mode_and_refuses_it_for_a_float_model(q4_1_file):
 
 
 @needs_numba
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q6_K"])
 def test_the_integer_products_at_their_extreme_codes_and_activations(type_name):
-    """Codes at their extremes (Q8_0's -128 and 127, every nibble 15, every 5-bit code 31) against
-    activations at +-127, where AVX2's 16-bit pair sums are largest (2 * 128 * 127 for the sign trick; eight
-    of 2 * 15 * 127 an accumulator for nibbles, four of 2 * 31 * 127 for 5-bit codes, `qdot.nibble_pairs`):
-    any saturation or wrap would move a product by far more than float32's rounding. Every row block (1..7
-    rows, and 16) against the float64 reference."""
+    """Codes at their extremes (Q8_0's -128 and 127, every nibble 15, every 5-bit code 31, Q6_K's -32 and 31
+    with -17 and 16 between) against activations at +-127, where AVX2's 16-bit pair sums are largest
+    (2 * 128 * 127 for the sign trick; eight of 2 * 15 * 127 an accumulator for nibbles, four of 2 * 31 * 127
+    for 5-bit codes, two of 2 * 63 * 127 for Q6_K's code + 32, `qdot.nibble_pairs`): any saturation or wrap
+    would move a product by far more than float32's rounding. Every row block (1..7 rows, and 16) against
+    the float64 reference."""
     rng = np.random.default_rng(5)
     n, k = 16, 256
     block, size = BLOCK_SIZES[type_name]
@@ -398,11 +399,15 @@ def test_the_integer_products_at_their_extreme_codes_and_activations(type_name):
     raw[:, 0:2] = np.array([1.0], dtype="<f2").view(np.uint8)  # d = 1
     if type_name == "Q8_0":
         raw[:, 2:] = rng.choice(np.array([-128, 127, -128], dtype=np.int8), size=(raw.shape[0], 32)).view(np.uint8)
+    elif type_name == "Q6_K":  # ql [128], qh [64]: each code's 4 + 2 bits all set or all clear; scales 1, d last
+        raw[:, :192] = rng.choice(np.array([0x00, 0xFF, 0xFF], dtype=np.uint8), size=(raw.shape[0], 192))
+        raw[:, 192:208] = 1
+        raw[:, 208:210] = np.array([1.0], dtype="<f2").view(np.uint8)
     else:
         raw[:, size - (20 if type_name.startswith("Q5") else 16):] = 0xFF  # every nibble 15 (and fifth bit 1)
     matrix = QuantizedMatrix.from_blocks(type_name, raw.reshape(n, -1), (n, k))
     w = matrix.dequantize(np.float64)
-    assert np.abs(w).max() in (128.0, 15.0, 7.0, 31.0)
+    assert np.abs(w).max() in (128.0, 15.0, 7.0, 31.0, 32.0)
     for rows in (1, 2, 3, 4, 5, 6, 7, 16):
         x = rng.choice(np.array([-1.0, 1.0], dtype=np.float32), size=(rows, k))  # every activation +-127
         want = rounded(x, matrix.group).astype(np.float64) @ w.T

@@ -13,9 +13,9 @@ columns, and `vpdpbusd` (AVX-512 VNNI / AVX-VNNI) multiplies those 32 unsigned b
 activations broadcast to every lane and adds each row's four products into that row's int32 lane: lanes
 are rows, as in the float kernels. vpdpbusd wants one unsigned operand: nibbles (Q4_0, Q4_1, Q4_K) are
 0..15 already (low nibbles, then `>> 4` for the high ones); int8 codes are flipped to `code + 128` by an
-XOR with 0x80, and the group's `bias * sum(q)` is taken off before the int32 sum becomes float: bias 128
-for int8 codes, 8 for Q4_0's nibbles, whose offset (-8 * scale) is folded in so that it is not read, else
-0. Per group and row: `total = fma(scale, dx * float(dot - bias * sum(q)), total)`, then
+XOR with 0x80 (a K type's small ones, Q6_K's -32..31 and Q3_K's, made `code + 32` by an add), and the
+group's `bias * sum(q)` is taken off before the int32 sum becomes float: bias 128 for int8 codes (32 for
+small ones), 8 for Q4_0's nibbles, whose offset (-8 * scale) is folded in so that it is not read, else 0. Per group and row: `total = fma(scale, dx * float(dot - bias * sum(q)), total)`, then
 `+ offset * dx * sum(q)`. No int32 sum can overflow: a group of 32 is at most 32 * 255 * 127. Scales are
 float16 where the file's are (every type but the K types): 2 bytes a group and 8 rows, widened by one
 instruction (vcvtph2ps). A K type's scale is a product (float16 d times a 6- or 8-bit sub-block scale):
@@ -29,10 +29,12 @@ go in unsigned, 0..31, Q5_0's bias 16 taken off as Q4_0's 8 is: 5 bits a weight 
 
 Where the CPU has AVX2 but no VNNI (Zen 3, Haswell to Skylake: `MADD`), llama.cpp's AVX2 arithmetic:
 `vpmaddubsw` makes 32 byte products into 16-bit pair sums and `vpmaddwd` by ones adds each row's four.
-Nibbles (0..15) go in as they are (a pair sum is at most 2 * 15 * 127). 8-bit codes go in unflipped, by
-the sign trick: |code| (unsigned, shared by the rows) times the activation given the code's sign
-(`vpsignb`), so a pair sum is at most 2 * 128 * 127 and never saturates, and there is no bias to take
-off. Elsewhere (no AVX2) the same IR multiplies widened int32 vectors and adds the four columns with
+Nibbles (0..15) and small codes (code + 32, 0..63) go in as they are (a pair sum is at most 2 * 63 * 127:
+in 16 bits, two loads an accumulator, they take one vpmaddwd a group, not one a load, and no vpsignb:
+Q6_K's products 1.18x faster at 4 and 16 rows than by the sign trick, bench_qdot_rows.py on Zen 3). 8-bit
+codes go in unflipped, by the sign trick: |code| (unsigned, shared by the rows) times the activation given
+the code's sign (`vpsignb`), so a pair sum is at most 2 * 128 * 127 and never saturates, and there is no
+bias to take off. Elsewhere (no AVX2) the same IR multiplies widened int32 vectors and adds the four columns with
 shuffles. Integer sums, so every path gives the same int32 totals and bits. The choice is made from the
 features numba compiles for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES or the host's).
 
@@ -66,7 +68,7 @@ from numba import types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
-from kvlab.kernels.layout import BIT_PLANE, LANES, QUAD
+from kvlab.kernels.layout import BIT_PLANE, LANES, QUAD, SMALL_BIAS
 from kvlab.kernels.qsimd import _fma
 
 UNROLL = 2  # independent accumulators per row of x (the quad loop steps by this)
@@ -191,16 +193,17 @@ def widen_pairs(builder: ir.IRBuilder, pairs: ir.Value) -> ir.Value:
     return _madd_wd(builder, pairs, ir.Constant(_V16I16, [1] * 16))
 
 
-def nibble_pairs(accs: int, nibbles: bool, pair: bool) -> bool:
+def nibble_pairs(accs: int, unsigned: bool, pair: bool) -> bool:
     """Whether a tile's accumulators hold 16-bit pair sums (16 lanes, two a row), widened to int32 once a
-    group (`widen_pairs`) rather than once a product instruction: where MADD, for nibbles, when a row of x
-    has two accumulators (`accs`). A pair sum is at most 2 * 15 * 127 = 3810, and a group
-    (model/qtiles.NIBBLE_GROUP_MAX = 32 columns, four a sum) gives each of the two accumulators four: their
-    16-bit sum is at most 30480 < 32767, so the two are added in 16 bits and widened once a row and group;
-    5-bit codes (0..31, model/qtiles.to_dot_codes5) make pair sums of at most
-    2 * 31 * 127 = 7874, four an accumulator (31496), so theirs are widened apart. Saves a vpmaddwd per
-    product instruction and makes the add 16-bit."""
-    return MADD and nibbles and not pair and accs >= 2
+    group (`widen_pairs`) rather than once a product instruction: where MADD, for codes that go in unsigned
+    as they are (all but 8-bit ones), when a row of x has two accumulators (`accs`). A nibbles' pair sum is
+    at most 2 * 15 * 127 = 3810, and a group (model/qtiles.NIBBLE_GROUP_MAX = 32 columns, four a sum) gives
+    each of the two accumulators four: their 16-bit sum is at most 30480 < 32767, so the two are added in 16
+    bits and widened once a row and group; 5-bit codes (0..31, model/qtiles.to_dot_codes5) make pair sums of
+    at most 2 * 31 * 127 = 7874, four an accumulator (31496), and small codes (code + 32, 0..63) at most
+    2 * 63 * 127 = 16002, two an accumulator (a group of layout.SMALL_GROUP_MAX = 16 columns: 32004), so
+    theirs are widened apart. Saves a vpmaddwd per product instruction and makes the add 16-bit."""
+    return MADD and unsigned and not pair and accs >= 2
 
 
 def _madd_wd(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
@@ -247,6 +250,9 @@ def _make_tile_dot(rows: int, pair: bool = False):
             return None
         half_scales = scales.dtype == types.uint16
         factored = scales.dtype == types.int8
+        # a K type's small signed codes (int8 beside factored scales: Q6_K, Q3_K) read as code + 32, unsigned
+        # (layout.SMALL_BIAS; model/quantized.py refuses others), so AVX2 needs no sign trick for them
+        small = signed and factored
         factored_offsets = offsets.dtype == types.int8
         sig = types.void(xq, m0, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, t, out)
 
@@ -254,8 +260,8 @@ def _make_tile_dot(rows: int, pair: bool = False):
             xa, m0v, dxa, qba, fsa, ca, sa, oa, bsa, boa, tv, outa = args
             # MADD takes 8-bit codes unflipped (the sign trick): their dot has no code + 128 to take off. Read
             # here, at code generation, as `_dpbusd` reads MADD (numba caches an intrinsic's typing)
-            sign_trick = MADD and signed and not pair
-            in_pairs = nibble_pairs(accs, not signed, pair)
+            sign_trick = MADD and signed and not pair and not small
+            in_pairs = nibble_pairs(accs, not signed or small, pair)
             xs, dxs, qbs, fss, cs, ss, os_, bss, bos, outs = [
                 cgutils.create_struct_proxy(ty)(context, builder, value=v)
                 for ty, v in zip([signature.args[i] for i in (0, 2, 3, 4, 5, 6, 7, 8, 9, 11)],
@@ -325,6 +331,7 @@ def _make_tile_dot(rows: int, pair: bool = False):
             total = [cgutils.alloca_once_value(builder, zero_f) for _ in range(rows)]
             acc = [[cgutils.alloca_once_value(builder, zero_i) for _ in range(accs)] for _ in range(rows)]
             flip = ir.Constant(vbytes, [0x80] * (lanes * QUAD))
+            plus_small = ir.Constant(vbytes, [SMALL_BIAS] * (lanes * QUAD))
             low_mask = ir.Constant(vbytes, [0x0F] * (lanes * QUAD))
             four = ir.Constant(vbytes, [4] * (lanes * QUAD))
             tile_bytes = builder.mul(n_groups, group_stride)  # the next tile's codes are this far on
@@ -345,6 +352,8 @@ def _make_tile_dot(rows: int, pair: bool = False):
                     magnitudes = None
                     if signed and sign_trick:  # the codes as they are, |code| shared by the rows
                         parts, magnitudes = [(raw, k)], magnitude(builder, raw)
+                    elif small:
+                        parts = [(builder.add(raw, plus_small), k)]
                     elif signed:
                         parts = [(builder.xor(raw, flip), k)]
                     else:
@@ -361,7 +370,8 @@ def _make_tile_dot(rows: int, pair: bool = False):
                         for i in range(rows):
                             a = acc[i][first % accs]
                             x4 = _load(builder, x_rows[i], kk, _I32)
-                            builder.store(_dpbusd(builder, builder.load(a), codes4, x4, not signed, magnitudes), a)
+                            builder.store(_dpbusd(builder, builder.load(a), codes4, x4, not signed or small,
+                                                  magnitudes), a)
                         first += 1
                     return first
 
@@ -373,19 +383,19 @@ def _make_tile_dot(rows: int, pair: bool = False):
                 scale = lane_values(factored, half_scales, scale_base, base_scale_row, lane0, g)
                 for i in range(rows):
                     sums = [builder.load(a) for a in acc[i]]
-                    if in_pairs and not five:  # nibbles: one 16-bit sum a group, widened once (`nibble_pairs`)
+                    if in_pairs and not (five or small):  # nibbles: one 16-bit sum a group, widened once
                         merged = sums[0]
                         for v in sums[1:]:
                             merged = builder.add(merged, v)
                         sums = [widen_pairs(builder, merged)]
-                    elif in_pairs:  # 5-bit codes: each accumulator widened apart (two could pass 16 bits)
+                    elif in_pairs:  # 5-bit and small codes: each accumulator widened apart (`nibble_pairs`)
                         sums = [widen_pairs(builder, v) for v in sums]
                     dot = sums[0]
                     for v in sums[1:]:
                         dot = builder.add(dot, v)
                     at = builder.add(sum_ix[i], g)
-                    # the codes went in as code + bias (int8 codes: + 128, but for the sign trick; Q4_0's
-                    # nibbles: its -8 folded in): qbias = -bias * sum(q), added in int32 (exact)
+                    # the codes went in as code + bias (int8 codes: + 128, but for the sign trick; small
+                    # codes: + 32; Q4_0's nibbles: its -8 folded in): qbias = -bias * sum(q), added in int32
                     if not sign_trick:
                         dot = builder.add(dot, _splat(builder, builder.load(builder.gep(qbs.data, [at])), vi32))
                     dxi = _splat(builder, builder.load(builder.gep(dxs.data, [at])), vf)

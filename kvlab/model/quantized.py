@@ -20,6 +20,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from kvlab.errors import InputError
+from kvlab.kernels.layout import SMALL_BIAS, SMALL_GROUP_MAX
 from kvlab.model.ggml_quants import (BLOCK_SIZES, GROUPS, NIBBLE_TYPES, OFFSET_TYPES, Unpacked, dequantize,
                                      resident_bytes, unpack)
 from kvlab.model.act_quant import rounded
@@ -146,8 +147,9 @@ class QuantizedMatrix:
         the K types); a K type's scales and offsets (d * sub-block scale) as int8 per group times a float32
         base per super-block and row (qtiles.factor_scales: the same float32 values, a quarter of the
         bytes), else float32; Q4_0's offsets (-8 * scale) folded into bias 8 rather than read; int8 codes
-        bias 128 (the kernel's code + 128). float16 scales travel as their bits (uint16): numba has no
-        float16 arrays. Base arrays have no columns where the scales are not factored."""
+        bias 128 (the kernel's code + 128), or beside factored scales (Q6_K, Q3_K) layout.SMALL_BIAS 32.
+        float16 scales travel as their bits (uint16): numba has no float16 arrays. Base arrays have no
+        columns where the scales are not factored."""
         with self._lock:
             if self._dot is None:
                 self._dot, self._tiles = self._make_dot(self._tiles), None
@@ -166,6 +168,12 @@ class QuantizedMatrix:
         no_offsets = np.zeros((0, 0), dtype=np.float32)
         if t.offsets is None and t.offset_scale == -8.0:  # folded already: Q4_0's bias 8
             return codes, scales, no_offsets, 8, base_scales, base_offsets
+        if not t.nibbles and scales.dtype == np.int8:  # a K type's small codes: code + SMALL_BIAS, unsigned
+            if (self.group > SMALL_GROUP_MAX or t.codes.min(initial=0) < -SMALL_BIAS
+                    or t.codes.max(initial=0) >= SMALL_BIAS):
+                raise ValueError(f"{self.type_name}: int8 codes beside factored scales must lie in "
+                                 f"-{SMALL_BIAS}..{SMALL_BIAS - 1}, in groups of at most {SMALL_GROUP_MAX} columns")
+            return codes, scales, offsets, SMALL_BIAS, base_scales, base_offsets
         if not t.nibbles:
             return codes, scales, offsets, 128, base_scales, base_offsets
         if t.offsets is not None and t.base_scales is None and np.array_equal(t.offsets, t.scales * np.float32(-8)):
