@@ -54,7 +54,11 @@ def _code(codes, n, k, group, nibbles):
     return np.float32(codes[n, k])
 
 
-@njit(fastmath=FASTMATH, cache=True, inline="always")
+# No fast-math: numba links a kernel's code into every caller and optimises it again there, and with
+# `reassoc`/`contract` LLVM was free to sum or fuse a tail row's steps differently in each copy (seen: a
+# cold run's stacked q/k/v tail 1 ulp from the same matrix's product alone). Strict IEEE order gives every
+# copy one result; the tail is fewer than eight rows a matrix, so its speed does not show.
+@njit(cache=True, inline="always")
 def tail_rows(x, xsum, codes, scales, offsets, group, out, n0, dx=None):
     """out[:, n0 + i] for the row-ordered tail rows i (fewer than eight): a plain loop, it is small.
     With `dx` (the integer kernels' rounded rows: x int8, dx their scales, xsum = dx * sum(q)) each group's
