@@ -15,7 +15,8 @@ are rows, as in the float kernels. vpdpbusd wants one unsigned operand: nibbles 
 0..15 already (low nibbles, then `>> 4` for the high ones); int8 codes are flipped to `code + 128` by an
 XOR with 0x80 (a K type's small ones, Q6_K's -32..31 and Q3_K's, made `code + 32` by an add), and the
 group's `bias * sum(q)` is taken off before the int32 sum becomes float: bias 128 for int8 codes (32 for
-small ones), 8 for Q4_0's nibbles, whose offset (-8 * scale) is folded in so that it is not read, else 0. Per group and row: `total = fma(scale, dx * float(dot - bias * sum(q)), total)`, then
+small ones), 8 for Q4_0's nibbles, whose offset (-8 * scale) is folded in so that it is not read, else 0.
+Per group and row: `total = fma(scale, dx * float(dot - bias * sum(q)), total)`, then
 `+ offset * dx * sum(q)`. No int32 sum can overflow: a group of 32 is at most 32 * 255 * 127. Scales are
 float16 where the file's are (every type but the K types): 2 bytes a group and 8 rows, widened by one
 instruction (vcvtph2ps). A K type's scale is a product (float16 d times a 6- or 8-bit sub-block scale):
@@ -34,8 +35,8 @@ in 16 bits, two loads an accumulator, they take one vpmaddwd a group, not one a 
 Q6_K's products 1.18x faster at 4 and 16 rows than by the sign trick, bench_qdot_rows.py on Zen 3). 8-bit
 codes go in unflipped, by the sign trick: |code| (unsigned, shared by the rows) times the activation given
 the code's sign (`vpsignb`), so a pair sum is at most 2 * 128 * 127 and never saturates, and there is no
-bias to take off. Elsewhere (no AVX2) the same IR multiplies widened int32 vectors and adds the four columns with
-shuffles. Integer sums, so every path gives the same int32 totals and bits. The choice is made from the
+bias to take off. Elsewhere (no AVX2) the same IR multiplies widened int32 vectors and adds the four
+columns with shuffles. Integer sums, so every path gives the same int32 totals and bits. The choice is made from the
 features numba compiles for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES or the host's).
 
 `tile_dot_R(xq, m0, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, t, out)` (R = 1..4
