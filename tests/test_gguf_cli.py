@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kvlab
-from gguf_files import TEXT, small_config, write_gguf
+from gguf_files import TEXT, same_in_every_layer, small_config, write_gguf
 
 pytest.importorskip("gguf")
 
@@ -25,7 +25,10 @@ def kvlab_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProce
 @pytest.fixture(scope="module")
 def model_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("cli") / "tiny-q8.gguf"
-    write_gguf(path, small_config("qwen2", max_position_embeddings=64), types=("Q8_0", "Q5_1"))
+    # Q8_0 and Q5_1 the same in every layer (Q5_1 q/v beside a Q8_0 k): one variant of the fused decode
+    # kernels to compile cold, shared by test_gguf_cli.py and test_verify_default.py
+    write_gguf(path, small_config("qwen2", max_position_embeddings=64),
+               types=same_in_every_layer(q="Q5_1", k="Q8_0", v="Q5_1", o="Q8_0", gate="Q5_1", up="Q8_0", down="Q5_1"))
     (path.parent / "validation.txt").write_text(TEXT * 3, encoding="utf-8")
     return path
 

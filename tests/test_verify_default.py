@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from gguf_files import small_config, write_gguf
+from gguf_files import same_in_every_layer, small_config, write_gguf
 from kvlab.cli import main
 
 pytest.importorskip("gguf")
@@ -17,7 +17,10 @@ pytest.importorskip("gguf")
 @pytest.fixture(scope="module")
 def model_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("verify") / "tiny-q8.gguf"
-    write_gguf(path, small_config("llama", max_position_embeddings=64), types=("Q8_0", "Q5_1"))
+    # Q8_0 and Q5_1 the same in every layer (Q5_1 q/v beside a Q8_0 k): one variant of the fused decode
+    # kernels to compile cold, shared by test_gguf_cli.py and test_verify_default.py
+    write_gguf(path, small_config("llama", max_position_embeddings=64),
+               types=same_in_every_layer(q="Q5_1", k="Q8_0", v="Q5_1", o="Q8_0", gate="Q5_1", up="Q8_0", down="Q5_1"))
     return path
 
 
