@@ -331,8 +331,12 @@ def write_and_attend(qkv, heads, k_blocks, v_blocks, slot_blocks, slot_rows, tab
         for h in range(kv_heads):
             k_blocks[block, h, slot] = keys[s, h]
             v_blocks[block, h, slot] = values[s, h]
-    _decode_parallel(scaled, k_blocks, _NO_SCALES, _NO_SCALES, v_blocks, _NO_SCALES, _NO_SCALES, FLOAT, 1, tables,
-                     starts, ends, span, threads, out, zero)
+    # the operands as the unfused call types them (a writable array, int64s), not the global `_NO_SCALES`
+    # (read-only inside a kernel) and literal ints: otherwise numba compiles the decode kernel a second time
+    # for this caller (~10 s cold, the kernel and its span function)
+    no_scales = np.zeros((1, 1, 1, 1), dtype=np.int16)
+    _decode_parallel(scaled, k_blocks, no_scales, no_scales, v_blocks, no_scales, no_scales, np.int64(FLOAT),
+                     np.int64(1), tables, starts, ends, span, threads, out, zero)
 
 
 @njit(cache=True)
