@@ -78,10 +78,12 @@ def _product_impl(x, w, out):
         if w[0].ndim >= 3:  # the dot layout: [T, G, bytes], or [T, G, 5, 32] for 5-bit codes
             return lambda x, w, out: dot_product(x, w, out)
         return lambda x, w, out: _float_product(x, w, out)
+    # the first part starts at an int64 0, not a literal 0: a literal is a variant of `_part` of its own, so a
+    # type first in one stack and later in another (Q4_1 in a Q4_1/Q8_0/Q4_1 stack) compiled twice
     if len(w) == 2:
-        return lambda x, w, out: _part(x, w[1], out, _part(x, w[0], out, 0))
+        return lambda x, w, out: _part(x, w[1], out, _part(x, w[0], out, np.int64(0)))
     if len(w) == 3:
-        return lambda x, w, out: _part(x, w[2], out, _part(x, w[1], out, _part(x, w[0], out, 0)))
+        return lambda x, w, out: _part(x, w[2], out, _part(x, w[1], out, _part(x, w[0], out, np.int64(0))))
     raise TypeError("a stack of 2 or 3 matrices")
 
 
