@@ -18,8 +18,8 @@ Here the loops are explicit vectors, as qsimd.py does for the quantized products
 The tile rows are the compute dtype, float32 (the caller widens or dequantizes other stores into a tile
 first, attention.py). Rows past n in the last eight-key block are read as row n-1 again (never past the
 tile), and their scores are written past the tile's columns: `scores` [G, W] needs W >= col + the tile
-rounded up to 8 (the next tile's scores overwrite them). The sums are the reference's up to summation order (fastmath's reassoc, as the
-numba loops).
+rounded up to 8 (the next tile's scores overwrite them). The sums are the reference's up to summation order
+(fastmath's reassoc, as the numba loops).
 
 Filling that tile is vector code too: `widen_run` (float16/bfloat16 bits, exact), `dequantize_int8` and
 `dequantize_int4` (codes times their group's float16 scale plus its zero, as stored; int4's two nibbles

@@ -90,9 +90,9 @@ def _product_impl(x, w, out):
 @njit(fastmath={"reassoc", "contract"}, cache=True, error_model="numpy")  # rms_norm_heads divides (gemv.py)
 def qkv_rope(x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, out, zero):
     """out [B, (H_q + 2 H_kv) d] = rms_norm(x) @ w_qkv.T + bias (w_qkv one matrix or a stack: `_product`),
-    then the per-head q/k norms (q_norm, k_norm [d], empty for none), then RoPE on the first `rotated_heads` heads: cos[b], sin[b] [2, d/2]
-    row b's rotation, sin sign-folded ([-sin, sin]) as the model's `rotate_halves`. An empty `bias`
-    means none."""
+    then the per-head q/k norms (q_norm, k_norm [d], empty for none), then RoPE on the first `rotated_heads`
+    heads: cos[b], sin[b] [2, d/2] row b's rotation, sin sign-folded ([-sin, sin]) as the model's
+    `rotate_halves`. An empty `bias` means none."""
     xn = np.empty_like(x)
     rms_norm_rows(x, norm, eps, xn, zero)
     _product(xn, w_qkv, out)

@@ -43,11 +43,11 @@ features numba compiles for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES or the host's).
 or 8 rows of x) writes out[m0:m0+R, 8t:8t+8]: xq int8 [M, K], dx float32 [M, G] the groups' scales, qbias
 int32 [M, G] = -bias * the sums of the int8 values (added to each group's int32 dot: a broadcast from
 memory and an add, where the subtraction of a positive one took four instructions), fsum float32 [M, G] =
-dx * sum (read only when offsets has rows), codes int8 or uint8 (nibbles) [T, G, bytes], scales float32, float16 bits (uint16) or factored int8, offsets float32 or
-factored int8 [T, G*8] (as for the float kernels), base_scales / base_offsets float32 [T, SB*8] the
-factored ones' bases (no columns otherwise). Per group and
-row the epilogue is four vector instructions: add qbias, convert, multiply by dx, fma by the scale
-into the row's total; every R computes a row the same way, so a row's bits do not depend on the rows
+dx * sum (read only when offsets has rows), codes int8 or uint8 (nibbles) [T, G, bytes], scales float32,
+float16 bits (uint16) or factored int8, offsets float32 or factored int8 [T, G*8] (as for the float
+kernels), base_scales / base_offsets float32 [T, SB*8] the factored ones' bases (no columns otherwise).
+Per group and row the epilogue is four vector instructions: add qbias, convert, multiply by dx, fma by
+the scale into the row's total; every R computes a row the same way, so a row's bits do not depend on the rows
 beside it (tests/test_batch_invariant.py). Eight rows at once (where AVX-512 gives 32 registers: WIDE)
 read a tile's codes once for eight rows and keep eight independent vpdpbusd chains in flight: 1.2-1.4x
 the four-row blocks' products at 8-16 rows on Zen 4 (bench/bench_qdot_rows.py). From 16 rows of x, where
@@ -119,25 +119,25 @@ def _splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.
                                   ir.Constant(ir.VectorType(_I32, vector.count), [0] * vector.count))
 
 
-def _dpbusd(builder: ir.IRBuilder, acc: ir.Value, codes: ir.Value, x4: ir.Value, nibbles: bool = False,
+def _dpbusd(builder: ir.IRBuilder, acc: ir.Value, codes: ir.Value, x4: ir.Value, unsigned: bool = False,
             magnitudes: ir.Value | None = None) -> ir.Value:
     """acc[r] + sum_{c<4} codes[4r + c] (unsigned) * x4 bytes[c] (signed), per int32 lane r (8 lanes, or 16
     for a tile pair: `vpdpbusd` on zmm). Where MADD (AVX2 without VNNI), by `vpmaddubsw` (32 byte products
-    into 16-bit pair sums) and `vpmaddwd` by ones (each row's four): `nibbles` (0..15) as they are, a pair
-    sum at most 2 * 15 * 127; 8-bit codes as signed `codes` with their `magnitudes` (|code|, `magnitude`),
-    the activations given each code's sign (`vpsignb`): sum codes[4r + c] * x4 bytes[c], signed, a pair sum
-    at most 2 * 128 * 127 (activations are within +-127), never saturated; an `acc` of 16 int16 lanes
-    (`nibble_pairs`) takes the pair sums as they are. Integer sums, so every path gives the same int32
-    totals."""
-    if MADD and codes.type.count == LANES * QUAD and (nibbles or magnitudes is not None):
+    into 16-bit pair sums) and `vpmaddwd` by ones (each row's four): `unsigned` codes as they are (nibbles
+    0..15, 5-bit codes 0..31, small codes + 32 up to 63), a pair sum at most 2 * 63 * 127; 8-bit codes as
+    signed `codes` with their `magnitudes` (|code|, `magnitude`), the activations given each code's sign
+    (`vpsignb`): sum codes[4r + c] * x4 bytes[c], signed, a pair sum at most 2 * 128 * 127 (activations are
+    within +-127), never saturated; an `acc` of 16 int16 lanes (`nibble_pairs`) takes the pair sums as they
+    are. Integer sums, so every path gives the same int32 totals."""
+    if MADD and codes.type.count == LANES * QUAD and (unsigned or magnitudes is not None):
         splat = builder.bitcast(_splat(builder, x4, _V8I32), _V32I8)
-        unsigned = codes
+        operand = codes
         if magnitudes is not None:
-            unsigned, splat = magnitudes, _psign(builder, splat, codes)
+            operand, splat = magnitudes, _psign(builder, splat, codes)
         name = "llvm.x86.avx2.pmadd.ub.sw"
         fn = builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(_V16I16, [_V32I8] * 2),
                                                              name=name)
-        pairs = builder.call(fn, [unsigned, splat])
+        pairs = builder.call(fn, [operand, splat])
         if acc.type == _V16I16:  # nibbles' pair sums kept in 16 bits (`nibble_pairs`)
             return builder.add(acc, pairs)
         return builder.add(acc, widen_pairs(builder, pairs))
