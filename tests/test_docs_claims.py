@@ -32,7 +32,8 @@ def test_contributing_gives_the_suites_measured_duration():
     # 19m52s and 17m30s) that afternoon, the VM 20-30 % slower on unchanged kernels (14:19-14:57 UTC); 18m57s
     # undisturbed (`.ci/run` 22m26s, 37m42s of CPU against the morning's 26m10s) after the compile levels
     # were cut (the same tests' compiles 9 % fewer side by side), 2026-12-07 17:46-18:09 UTC; the same code
-    # 12m22s cold at 19:09 UTC, and 11m08s at 19:57 with bytecode written and fewer kernel variants
+    # 12m22s cold at 19:09 UTC, and 11m08s at 19:57 with bytecode written and fewer kernel variants (`.ci/run`
+    # 13m23s twice, 20:30 and 20:45 UTC)
     assert said and (int(said[1]), int(said[2]), int(said[3])) == (5, 11, 19)
 
 
