@@ -37,14 +37,14 @@ from kvlab.progress import compiling_kernels
 config = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
                      rope_theta=100000.0, max_position_embeddings=8192, rms_norm_eps=1e-5)
-models, model_path = {}, sys.argv[1]
+models, model_path, weights = {}, sys.argv[1], None
 print("ready", flush=True)
 for line in sys.stdin:
     name, context, steps = line.split()
     context, steps = int(context), int(steps)
     backend, kind, batch, *cache_dtype = name.split("-", 3)
     if name not in models:
-        if kind != "file" and "weights" not in globals():  # made once, only when a config needs them
+        if kind != "file" and weights is None:  # made once, only when a config needs them
             weights = random_weights(config, 0, np.float32)
         if kind == "file":  # the model --model names, as kvlab loads it by default
             import kvlab
