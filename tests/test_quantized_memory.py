@@ -256,6 +256,43 @@ def test_k_types_keep_their_scales_factored_in_the_integer_layout(type_name):
         assert predicted_bytes(type_name, (4096, 4096), "q8") <= 1.06 * (4096 * 4096 // 256 * 144)
 
 
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1", "Q5_K"])
+def test_five_bit_codes_keep_five_bits_in_the_exact_mode_too(type_name):
+    """5-bit codes stay a nibble and a bit (qtiles.to_dot_codes5) in the float layout as in the integer one:
+    one array both layouts share (converting moves no code), read back as the file's codes, dequantized by a
+    prefill band to the file's values bit for bit (Q5_0's code + 16 with -16 * scale folded: both products
+    exact), multiplied by the exact kernel as the dequantized matrix is, and kept at <= 1.2x the file's
+    bytes in both modes (with a byte a code, the exact mode kept Q5_0 at 1.64x)."""
+    from gguf_files import blocks
+
+    from kvlab.kernels import AVAILABLE
+    from kvlab.model.ggml_quants import dequantize, unpack
+
+    rows, cols = 21, 512  # two whole tiles and a tail of five rows
+    raw = blocks(type_name, rows, cols, np.random.default_rng(5), "mixed")
+    file_values = dequantize(unpack(type_name, raw, (rows, cols)))
+    matrix = QuantizedMatrix.from_blocks(type_name, raw, (rows, cols))
+    codes = matrix.tiles.codes
+    assert codes.dtype == np.uint8 and codes.shape == (2, cols // 32, 5, 32)
+    assert np.array_equal(matrix.unpacked.codes, unpack(type_name, raw, (rows, cols)).codes)
+    assert np.array_equal(matrix.dequantize(), file_values)
+    if AVAILABLE:
+        from kvlab.kernels.qgemv import dequantize_tiles_t, qmatmul
+
+        band = np.empty((cols, 16), dtype=np.float32)
+        dequantize_tiles_t(matrix.tiles, 0, 2, band)
+        assert np.array_equal(band.T.view(np.uint32), file_values[:16].view(np.uint32))
+        x = np.random.default_rng(6).standard_normal((3, cols)).astype(np.float32)
+        want = x.astype(np.float64) @ file_values.T.astype(np.float64)
+        assert np.abs(qmatmul(x, matrix.tiles, matrix.tail) - want).max() <= 1e-5 * np.abs(want).max()
+    assert matrix.dot_layout[0] is codes and matrix.tiles.codes is codes
+    assert np.array_equal(matrix.dequantize(), file_values)
+    block, size = BLOCK_SIZES[type_name]
+    file_bytes = 4096 * 4096 // block * size
+    for activations in ("float32", "q8"):
+        assert predicted_bytes(type_name, (4096, 4096), activations) <= 1.2 * file_bytes, activations
+
+
 @settings(max_examples=200, deadline=None)
 @given(d=st.floats(-65504, 65504, width=16, allow_nan=False, allow_infinity=False),
        sc=st.lists(st.integers(-128, 127), min_size=16, max_size=16), per=st.sampled_from([8, 16]))

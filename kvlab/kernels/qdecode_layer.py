@@ -10,10 +10,10 @@ QuantizedOps for up to MAX_KERNEL_ROWS rows; attention in between is attention.p
 A matrix is passed as the tuple `kernel_args` makes: (codes, scales, offsets, tail codes, tail scales,
 tail offsets, group, factor, base scales, base offsets), model/qtiles.py's layout; q/k/v (gate/up) of
 different types as a tuple of two or three such tuples, each its own product into its columns (`_product`).
-With the codes in the integer dot-product layout (3-D, `qtiles.to_dot_codes`, or 4-D for 5-bit codes) the
-same two calls round each product's input to int8 and take integer dot products (the model's
-`activations="q8"`, kernels/qdot.py): `_product` picks the kind by the codes' rank when numba compiles, one
-specialisation per layout. Each product is one parallel call, its tiles over the
+With a matrix in the integer dot-product layout (`qgemv.dot_kernel_args`: codes in quads, a bias where the float
+layout has a factor) the same two calls round each product's input to int8 and take integer dot products (the
+model's `activations="q8"`, kernels/qdot.py): `_product` picks the kind by that field's type when numba
+compiles, one specialisation per layout. Each product is one parallel call, its tiles over the
 threads (qgemv's `product_tile` / `dot_tile`, the tail on the last index); the group sums of x its offsets
 need (or the int8 rounding of x) are taken once per product on the calling thread. Unfused, a quantized
 layer cost ~12 Python and dispatcher round trips (norms, products, RoPE and SwiGLU in NumPy between them);
@@ -36,8 +36,8 @@ def _product(x, w, out):
     """out = x @ W.T, W one matrix (a `kernel_args` tuple: tiles over the threads, the tail on the last index)
     or matrices stacked by rows whose types differ (a tuple of 2 or 3 of them: a Q4_K_M file's Q4_K q/k beside
     its Q6_K v), each part its own product into its columns, exactly as it would run alone (its own rounding
-    of x to int8: with int8 activations a row gets the bits the step-by-step RowStack gives it). Codes in the
-    integer dot-product layout (3-D or 4-D, `activations="q8"`) round x to int8 first (qgemv.round_rows);
+    of x to int8: with int8 activations a row gets the bits the step-by-step RowStack gives it). A matrix in
+    the integer dot-product layout (`activations="q8"`) rounds x to int8 first (qgemv.round_rows);
     float codes read x as it is, with the group sums its offsets multiply taken once."""
 
 
@@ -75,7 +75,9 @@ def _part(x, w, out, start):
 @overload(_product)
 def _product_impl(x, w, out):
     if isinstance(w[0], types.Array):
-        if w[0].ndim >= 3:  # the dot layout: [T, G, bytes], or [T, G, 5, 32] for 5-bit codes
+        # the dot layout's eighth field is its codes' bias (an int), the float layout's a factor (float32);
+        # 5-bit codes are the same 4-D array in both
+        if isinstance(w[7], types.Integer):
             return lambda x, w, out: dot_product(x, w, out)
         return lambda x, w, out: _float_product(x, w, out)
     # the first part starts at an int64 0, not a literal 0: a literal is a variant of `_part` of its own, so a

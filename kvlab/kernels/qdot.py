@@ -70,7 +70,7 @@ from numba.core import cgutils, config
 from numba.extending import intrinsic
 
 from kvlab.kernels.layout import BIT_PLANE, LANES, QUAD, SMALL_BIAS
-from kvlab.kernels.qsimd import _fma
+from kvlab.kernels.qsimd import _fma, fifth_bits
 
 UNROLL = 2  # independent accumulators per row of x (the quad loop steps by this)
 _I8 = ir.IntType(8)
@@ -170,23 +170,6 @@ def _psign(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
 def magnitude(builder: ir.IRBuilder, codes: ir.Value) -> ir.Value:
     """|code| of 32 signed bytes, read as unsigned (|-128| is 128), for the sign trick (`_dpbusd`)."""
     return _psign(builder, codes, codes)
-
-
-def fifth_bits(builder: ir.IRBuilder, at: ir.Value) -> tuple[ir.Value, ir.Value]:
-    """A load's fifth bits (the 8 bytes at `at` of a plane of bits, qtiles.to_dot_codes5: byte r = row r's bits,
-    bit c for its low nibbles' column c, 4 + c for its high nibbles') as two 32-byte vectors of 0 or 16 beside
-    the load's low and high nibbles (byte 4r + c): each row's byte copied to its four lanes (one shuffle),
-    then each lane's bit tested. Generic IR: a byte shuffle, and, compare and select where AVX2 has them."""
-    row_bytes = builder.load(builder.bitcast(at, _V8I8.as_pointer()), align=1)
-    spread = builder.shuffle_vector(row_bytes, ir.Constant(_V8I8, ir.Undefined),
-                                    ir.Constant(ir.VectorType(_I32, LANES * QUAD), [j // QUAD for j in range(32)]))
-    zero, sixteen = ir.Constant(_V32I8, [0] * 32), ir.Constant(_V32I8, [16] * 32)
-    out = []
-    for shift in (0, 4):
-        masks = ir.Constant(_V32I8, [1 << (shift + j % QUAD) for j in range(32)])
-        is_set = builder.icmp_unsigned("!=", builder.and_(spread, masks), zero)
-        out.append(builder.select(is_set, sixteen, zero))
-    return out[0], out[1]
 
 
 def widen_pairs(builder: ir.IRBuilder, pairs: ir.Value) -> ir.Value:

@@ -292,6 +292,22 @@ def qmatmul(x: np.ndarray, tiles, tail) -> np.ndarray:
     return out
 
 
+@njit(cache=True, inline="always")
+def _lane_values(scales, offsets, base_scales, base_offsets, factor, t, g, block, lane_scale, lane_offset):
+    """Group g's eight scales and offsets (times factor) of tile t as float32 (a K type's factored ones:
+    int8 times a float32 base per super-block of `block` groups)."""
+    for r in range(8):
+        s = np.float32(scales[t, g * 8 + r])
+        if base_scales.shape[1]:
+            s = base_scales[t, g // block * 8 + r] * s
+        lane_scale[r] = s
+        if offsets.shape[0] > 0:
+            o = np.float32(offsets[t, g * 8 + r])
+            if base_offsets.shape[1]:
+                o = base_offsets[t, g // block * 8 + r] * o
+            lane_offset[r] = o * factor
+
+
 @njit(parallel=True, cache=True)
 def _dequantize_tiles_t(codes, scales, offsets, base_scales, base_offsets, factor, group, t0, t1, out):
     """out[k, 8(t - t0) + r] = scale * code + offset * factor for tiles t0..t1-1 (factor 1, or a folded
@@ -302,23 +318,13 @@ def _dequantize_tiles_t(codes, scales, offsets, base_scales, base_offsets, facto
     nibbles = 2 * codes.shape[1] == groups * group * 8
     per = group // 2 if nibbles else group
     has_offsets = offsets.shape[0] > 0
-    # a K type's factored scales/offsets: int8 times a float32 base per super-block of `block` groups
     block = groups // max(base_scales.shape[1] // 8, 1)
     for t in prange(t0, t1):
         base = (t - t0) * 8
-        lane_scale = np.empty(8, dtype=np.float32)  # the group's eight scales and offsets (times factor)
+        lane_scale = np.empty(8, dtype=np.float32)
         lane_offset = np.zeros(8, dtype=np.float32)
         for g in range(groups):
-            for r in range(8):
-                s = np.float32(scales[t, g * 8 + r])
-                if base_scales.shape[1]:
-                    s = base_scales[t, g // block * 8 + r] * s
-                lane_scale[r] = s
-                if has_offsets:
-                    o = np.float32(offsets[t, g * 8 + r])
-                    if base_offsets.shape[1]:
-                        o = base_offsets[t, g // block * 8 + r] * o
-                    lane_offset[r] = o * factor
+            _lane_values(scales, offsets, base_scales, base_offsets, factor, t, g, block, lane_scale, lane_offset)
             for j in range(per):
                 c0 = (g * per + j) * 8
                 k = g * group + j
@@ -341,11 +347,43 @@ def _dequantize_tiles_t(codes, scales, offsets, base_scales, base_offsets, facto
                         out[k, base + r] = value
 
 
+@njit(parallel=True, cache=True)
+def _dequantize_tiles5_t(codes, scales, offsets, base_scales, base_offsets, factor, t0, t1, out):
+    """`_dequantize_tiles_t` for 5-bit codes ([T, G, 5, 32]: model/qtiles.to_dot_codes5, groups of 32):
+    load q's byte 4r + c holds row r's columns 4q + c (low nibble) and 16 + 4q + c (high), the bit plane's
+    byte 8q + r their fifth bits (bit c, and 4 + c). Q5_0's codes are code + 16 with the offset -16 * scale
+    folded (factor -16): scale * u and 16 * scale are exact in float32, so their sum is (u - 16) * scale
+    exactly, as ggml_quants.dequantize computes it."""
+    groups = scales.shape[1] // 8
+    has_offsets = offsets.shape[0] > 0
+    block = groups // max(base_scales.shape[1] // 8, 1)
+    for t in prange(t0, t1):
+        base = (t - t0) * 8
+        lane_scale = np.empty(8, dtype=np.float32)
+        lane_offset = np.zeros(8, dtype=np.float32)
+        for g in range(groups):
+            _lane_values(scales, offsets, base_scales, base_offsets, factor, t, g, block, lane_scale, lane_offset)
+            for q in range(4):
+                for r in range(8):
+                    bits = np.int32(codes[t, g, 4, 8 * q + r])
+                    for c in range(4):
+                        byte = np.int32(codes[t, g, q, 4 * r + c])
+                        low = np.float32((byte & 15) | (((bits >> c) & 1) << 4)) * lane_scale[r]
+                        high = np.float32((byte >> 4) | (((bits >> (4 + c)) & 1) << 4)) * lane_scale[r]
+                        if has_offsets:
+                            low += lane_offset[r]
+                            high += lane_offset[r]
+                        out[g * 32 + 4 * q + c, base + r] = low
+                        out[g * 32 + 16 + 4 * q + c, base + r] = high
+
+
 def dequantize_tiles_t(tiles, t0: int, t1: int, out: np.ndarray) -> None:
     """Tiles t0..t1-1 of a tiled matrix (model/qtiles.py) as float32 columns: out [K, 8 (t1 - t0)] is the
     transposed band of rows, a prefill's weights dequantized where BLAS reads them (x @ out)."""
     offsets, factor = tile_offsets(tiles)
-    _dequantize_tiles_t(tiles.codes, tiles.scales, offsets,
-                        NO_OFFSETS if tiles.base_scales is None else tiles.base_scales,
-                        NO_OFFSETS if tiles.base_offsets is None else tiles.base_offsets, factor, tiles.group, t0, t1,
-                        out)
+    bases = (NO_OFFSETS if tiles.base_scales is None else tiles.base_scales,
+             NO_OFFSETS if tiles.base_offsets is None else tiles.base_offsets)
+    if tiles.codes.ndim == 4:  # 5-bit codes, a nibble and a bit each (model/qtiles.to_dot_codes5)
+        _dequantize_tiles5_t(tiles.codes, tiles.scales, offsets, *bases, factor, t0, t1, out)
+    else:
+        _dequantize_tiles_t(tiles.codes, tiles.scales, offsets, *bases, factor, tiles.group, t0, t1, out)

@@ -15,9 +15,12 @@ ymm registers, tests/test_quantized_kernels.py checks it).
 
 `tile_product_R(x, m0, xsum, codes, scales, offsets, base_scales, base_offsets, group, t, out)` (R = 1..4
 rows of x, each a compile-time constant so the R accumulators stay in registers) writes out[m0:m0+R,
-8t:8t+8] = the R rows x[m0:m0+R] times tile t's eight weight rows. Codes int8 [T, G*group*8] or nibbles
+8t:8t+8] = the R rows x[m0:m0+R] times tile t's eight weight rows. Codes int8 [T, G*group*8], nibbles
 uint8 [T, G*group*4] (byte (g, j, r): row r's weight j of group g in its low nibble, weight j + 16 in its
-high); scales and offsets float32 [T, G*8], or a K type's factored int8 [T, G*8] with float32 bases
+high), or 5-bit codes uint8 [T, G, 5, 32] (groups of 32: model/qtiles.to_dot_codes5, the integer kernels'
+own layout, so the exact mode keeps 5 bits a weight as the file does; a load of 32 bytes is four columns of
+the eight rows, read as eight int32 lanes, one row each, a shift and a mask a column); scales and offsets
+float32 [T, G*8], or a K type's factored int8 [T, G*8] with float32 bases
 [T, SB*8] a super-block and row (model/qtiles.factor_scales: base * float(int) is the float32 scale, bit
 for bit, so the products are the same); an offsets array with no rows means none (then xsum is not read);
 xsum [M, G] float32 the group sums of x.
@@ -31,7 +34,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kvlab.kernels.layout import LANES
+from kvlab.kernels.layout import BIT_PLANE, LANES, QUAD
 
 UNROLL = {1: 4, 2: 2, 3: 2, 4: 2}
 _F32 = ir.FloatType()
@@ -39,6 +42,7 @@ _I32 = ir.IntType(32)
 _V8F = ir.VectorType(_F32, LANES)
 _V8I8 = ir.VectorType(ir.IntType(8), LANES)
 _V8I32 = ir.VectorType(_I32, LANES)
+_V32I8 = ir.VectorType(ir.IntType(8), LANES * QUAD)
 
 
 def _fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
@@ -62,6 +66,23 @@ def _load(builder: ir.IRBuilder, base: ir.Value, index: ir.Value, vector: ir.Typ
     return builder.load(ptr, align=1)
 
 
+def fifth_bits(builder: ir.IRBuilder, at: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """A load's fifth bits (the 8 bytes at `at` of a plane of bits, qtiles.to_dot_codes5: byte r = row r's bits,
+    bit c for its low nibbles' column c, 4 + c for its high nibbles') as two 32-byte vectors of 0 or 16 beside
+    the load's low and high nibbles (byte 4r + c): each row's byte copied to its four lanes (one shuffle),
+    then each lane's bit tested. Generic IR: a byte shuffle, and, compare and select where AVX2 has them."""
+    row_bytes = builder.load(builder.bitcast(at, _V8I8.as_pointer()), align=1)
+    spread = builder.shuffle_vector(row_bytes, ir.Constant(_V8I8, ir.Undefined),
+                                    ir.Constant(ir.VectorType(_I32, LANES * QUAD), [j // QUAD for j in range(32)]))
+    zero, sixteen = ir.Constant(_V32I8, [0] * 32), ir.Constant(_V32I8, [16] * 32)
+    out = []
+    for shift in (0, 4):
+        masks = ir.Constant(_V32I8, [1 << (shift + j % QUAD) for j in range(32)])
+        is_set = builder.icmp_unsigned("!=", builder.and_(spread, masks), zero)
+        out.append(builder.select(is_set, sixteen, zero))
+    return out[0], out[1]
+
+
 def _make_tile_product(rows: int):
     # independent accumulators per row of x, so that an FMA's latency (4 cycles) does not serialise the
     # loop: unroll * rows chains in flight; codes per group (16 or 32 or, for nibbles, 8 or 16) divide by it
@@ -71,6 +92,9 @@ def _make_tile_product(rows: int):
     def tile_product(typingctx, x, m0, xsum, codes, scales, offsets, base_scales, base_offsets, group, t, out):
         signed = codes.dtype == types.int8
         if not signed and codes.dtype != types.uint8:
+            return None
+        five = codes.ndim == 4  # 5-bit codes: [T, G, 5, 32], four planes of nibbles and one of bits
+        if five and signed:
             return None
         if scales.dtype not in (types.float32, types.int8) or offsets.dtype not in (types.float32, types.int8):
             return None
@@ -85,7 +109,9 @@ def _make_tile_product(rows: int):
             xs, sums, cs, ss, os_, bss, bos, outs = arrays
             intp = context.get_value_type(types.intp)
             width = cgutils.unpack_tuple(builder, xs.shape)[1]
-            code_row = cgutils.unpack_tuple(builder, cs.shape)[1]
+            code_shape = cgutils.unpack_tuple(builder, cs.shape)
+            group_stride = builder.mul(code_shape[2], code_shape[3]) if five else None  # 5 planes of 32 bytes
+            code_row = builder.mul(code_shape[1], group_stride) if five else code_shape[1]
             scale_row = cgutils.unpack_tuple(builder, ss.shape)[1]
             n_groups = builder.udiv(scale_row, ir.Constant(intp, LANES))
             sum_row = cgutils.unpack_tuple(builder, sums.shape)[1]
@@ -118,6 +144,53 @@ def _make_tile_product(rows: int):
                       for i in range(rows)]
             sum_rows = [builder.gep(sums.data, [builder.mul(builder.add(m0_v, ir.Constant(intp, i)), sum_row)])
                         for i in range(rows)]
+
+            def add_column(w: ir.Value, k: ir.Value, u: int) -> None:
+                """acc[i][u] += x[i, k] * w for every row i of x (w: the column's eight codes as floats)."""
+                for i in range(rows):
+                    xk = _broadcast(builder, builder.load(builder.gep(x_rows[i], [k])))
+                    a = acc[i][u]
+                    builder.store(_fma(builder, xk, w, builder.load(a)), a)
+
+            def byte_group(codes_g: ir.Value, k0: ir.Value) -> None:
+                """A group of int8 codes (a column's eight rows in 8 bytes) or nibbles (two columns a byte:
+                weight j low, j + group / 2 high)."""
+                steps = builder.udiv(per_group, ir.Constant(intp, unroll))
+                with cgutils.for_range(builder, steps) as j_loop:
+                    for u in range(unroll):
+                        j = builder.add(builder.mul(j_loop.index, ir.Constant(intp, unroll)), ir.Constant(intp, u))
+                        raw = _load(builder, codes_g, builder.mul(j, ir.Constant(intp, LANES)), _V8I8)
+                        k = builder.add(k0, j)
+                        if signed:
+                            add_column(builder.sitofp(builder.sext(raw, _V8I32), _V8F), k, u)
+                        else:
+                            wide = builder.zext(raw, _V8I32)
+                            low = builder.and_(wide, ir.Constant(_V8I32, [15] * LANES))
+                            add_column(builder.uitofp(low, _V8F), k, u)
+                            high = builder.lshr(wide, ir.Constant(_V8I32, [4] * LANES))
+                            add_column(builder.uitofp(high, _V8F), builder.add(k, half), u)
+
+            def five_bit_group(codes_g: ir.Value, k0: ir.Value) -> None:
+                """A group of 32 five-bit codes as qtiles.to_dot_codes5 lays them out (the integer kernels'
+                layout: one copy of the codes serves both modes). Load q's 32 bytes are row r's columns
+                4q + c (low nibbles) and 16 + 4q + c (high) in byte 4r + c, so as eight int32 lanes, lane r
+                is row r: a shift by 8c and a mask give column c's code for the eight rows, no shuffle. The
+                fifth bits (`fifth_bits`) are ORed in as 16s first."""
+                nibble, byte = ir.Constant(_V32I8, [15] * 32), ir.Constant(_V8I32, [255] * LANES)
+                for q in range(BIT_PLANE):
+                    plane = _load(builder, codes_g, ir.Constant(intp, q * LANES * QUAD), _V32I8)
+                    low_bits, high_bits = fifth_bits(builder, builder.gep(codes_g, [ir.Constant(
+                        intp, BIT_PLANE * LANES * QUAD + q * LANES)]))
+                    low = builder.bitcast(builder.or_(builder.and_(plane, nibble), low_bits), _V8I32)
+                    high = builder.bitcast(builder.or_(builder.lshr(plane, ir.Constant(_V32I8, [4] * 32)), high_bits),
+                                           _V8I32)
+                    for c in range(QUAD):
+                        k = builder.add(k0, ir.Constant(intp, QUAD * q + c))
+                        for codes4, column in ((low, k), (high, builder.add(k, ir.Constant(intp, 16)))):
+                            shifted = builder.lshr(codes4, ir.Constant(_V8I32, [8 * c] * LANES)) if c else codes4
+                            code = builder.and_(shifted, byte) if c < QUAD - 1 else shifted
+                            add_column(builder.sitofp(code, _V8F), column, c % unroll)
+
             zero = ir.Constant(_V8F, [0.0] * LANES)
             total = [cgutils.alloca_once_value(builder, zero) for _ in range(rows)]
             acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(unroll)] for _ in range(rows)]
@@ -128,31 +201,11 @@ def _make_tile_product(rows: int):
                     for a in row_acc:
                         builder.store(zero, a)
                 k0 = builder.mul(g, group_v)
-                codes_g = builder.gep(code_base, [builder.mul(builder.mul(g, per_group),
-                                                              ir.Constant(intp, LANES))])
-                steps = builder.udiv(per_group, ir.Constant(intp, unroll))
-                with cgutils.for_range(builder, steps) as j_loop:
-                    for u in range(unroll):
-                        j = builder.add(builder.mul(j_loop.index, ir.Constant(intp, unroll)), ir.Constant(intp, u))
-                        raw = _load(builder, codes_g, builder.mul(j, ir.Constant(intp, LANES)), _V8I8)
-                        k = builder.add(k0, j)
-                        if signed:
-                            w = builder.sitofp(builder.sext(raw, _V8I32), _V8F)
-                            for i in range(rows):
-                                xk = _broadcast(builder, builder.load(builder.gep(x_rows[i], [k])))
-                                a = acc[i][u]
-                                builder.store(_fma(builder, xk, w, builder.load(a)), a)
-                        else:
-                            wide = builder.zext(raw, _V8I32)
-                            low = builder.uitofp(builder.and_(wide, ir.Constant(_V8I32, [15] * LANES)), _V8F)
-                            high = builder.uitofp(builder.lshr(wide, ir.Constant(_V8I32, [4] * LANES)), _V8F)
-                            k_high = builder.add(k, half)
-                            for i in range(rows):
-                                x_low = _broadcast(builder, builder.load(builder.gep(x_rows[i], [k])))
-                                x_high = _broadcast(builder, builder.load(builder.gep(x_rows[i], [k_high])))
-                                a = acc[i][u]
-                                builder.store(_fma(builder, x_high, high,
-                                                   _fma(builder, x_low, low, builder.load(a))), a)
+                if five:
+                    five_bit_group(builder.gep(code_base, [builder.mul(g, group_stride)]), k0)
+                else:
+                    byte_group(builder.gep(code_base, [builder.mul(builder.mul(g, per_group),
+                                                                   ir.Constant(intp, LANES))]), k0)
                 lane0 = builder.mul(g, ir.Constant(intp, LANES))
                 scale = lane_values(factored, scale_base, base_scale_row, lane0, g)
                 for i in range(rows):

@@ -21,9 +21,10 @@ resident bytes per weight, against the file's (offset-free types keep no offsets
   Q5_1 1.25 (0.75) · Q4_K 0.75 (0.5625) · Q5_K 1.25 (0.6875) · Q6_K 1.25 (0.8203) · Q3_K 1.25 (0.4297) ·
   Q2_K 1.5 (0.3281)
 
-5-, 6-, 3- and 2-bit codes are widened to a byte each: simpler and faster kernels, more bytes than the file.
-The integer kernels' layout (activations="q8", the default for block types) packs 5-bit codes again, a
-nibble and a bit (model/qtiles.to_dot_codes5): 0.6875 bytes a weight for Q5_0, the file's.
+5-, 6-, 3- and 2-bit codes are widened to a byte each here: simpler code, more bytes than the file. The
+model's tiles (model/quantized.py) pack 5-bit codes again in both layouts, a nibble and a bit
+(model/qtiles.to_dot_codes5): Q5_0 0.75 bytes a weight with float32 scales (the exact mode), 0.6875 with the
+integer kernels' float16 ones (activations="q8", the default for block types): the file's.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from dataclasses import replace
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -36,6 +37,9 @@ TILE_VALUES = 1 << 18  # float32 values of one dequantized tile in a prefill pro
 
 # types whose offsets are a power of two times the scale, kept as that factor in the float layout's tiles
 FOLDED_OFFSETS = {"Q4_0": -8.0}
+# 5-bit types whose codes are signed (Q5_0's -16..15): both layouts keep code + bias, 0..31, in 5 bits
+# (qtiles.to_dot_codes5), the float layout with the offset -bias * scale folded as Q4_0's -8 is
+FIVE_BIT_BIAS = {"Q5_0": 16}
 # types whose scales are the file's own float16 (the dot layout keeps them so); the K types' product scales
 # (d * sub-block scale) are rarely exact in float16: both layouts keep them factored (an int8 a group, a
 # float32 base a super-block and row: qtiles.factor_scales, `factored_tiles`)
@@ -53,8 +57,9 @@ def predicted_bytes(type_name: str, shape: tuple[int, int], activations: str = "
     k_type = type_name not in HALF_SCALE_TYPES
     if activations != "q8" and not k_type:  # Q4_0's tiles keep no offsets (FOLDED_OFFSETS), its tail rows do
         folded = tiled * cols // GROUPS[type_name] * 4 if type_name in FOLDED_OFFSETS else 0
-        return resident_bytes(type_name, shape) - folded
-    code_bytes = _code_bytes(type_name, cols, "dot" if activations == "q8" else "float")
+        unpacked_code_bytes = cols // 2 if type_name in NIBBLE_TYPES else cols  # ggml_quants.resident_bytes's
+        return resident_bytes(type_name, shape) - folded - tiled * (unpacked_code_bytes - _code_bytes(type_name, cols))
+    code_bytes = _code_bytes(type_name, cols)
     groups = cols // GROUPS[type_name]
     if type_name in HALF_SCALE_TYPES:
         scale_bytes = groups * 2
@@ -65,12 +70,12 @@ def predicted_bytes(type_name: str, shape: tuple[int, int], activations: str = "
     return tiled * (code_bytes + scale_bytes + offset_bytes) + resident_bytes(type_name, (rows - tiled, cols))
 
 
-def _code_bytes(type_name: str, cols: int, layout: str) -> int:
-    """Bytes of one row's codes in a layout: nibbles half a byte, 5-bit types in the dot layout 5/8 of a
+def _code_bytes(type_name: str, cols: int) -> int:
+    """Bytes of one row's codes in the tiles (either layout): nibbles half a byte, 5-bit types 5/8 of a
     byte (qtiles.to_dot_codes5), every other code a byte."""
     if type_name in NIBBLE_TYPES:
         return cols // 2
-    return cols * 5 // 8 if layout == "dot" and packs_five_bit(type_name, GROUPS[type_name]) else cols
+    return cols * 5 // 8 if packs_five_bit(type_name, GROUPS[type_name]) else cols
 
 
 class QuantizedMatrix:
@@ -79,7 +84,8 @@ class QuantizedMatrix:
 
     The layouts: `tiles`, the float kernels' (codes, float32 scales and offsets, interleaved by row: the
     exact products, kernels/qgemv.py; Q4_0's offsets as the factor -8 on the scales, FOLDED_OFFSETS; a K
-    type's factored as in the dot layout), and
+    type's factored as in the dot layout; 5-bit codes the dot layout's own array, a nibble and a bit, Q5_0's
+    as code + 16 with the offset -16 * scale folded, FIVE_BIT_BIAS), and
     `dot_layout`, the integer kernels' (codes in quads, float16 scales where exact, a K type's factored,
     Q4_0's offsets folded into a bias: `activations="q8"`, kernels/qdot.py). Asking
     for one converts from the other and drops it (a permutation of the same codes, the same values), so a
@@ -107,6 +113,10 @@ class QuantizedMatrix:
         tiles, tail = to_tiles(unpacked, tail_offsets_only=folded)
         if folded:
             tiles = Unpacked(tiles.codes, tiles.scales, None, tiles.group, FOLDED_OFFSETS[type_name])
+        if packs_five_bit(type_name, unpacked.group):  # 5 bits a code, as the file (qtiles.to_dot_codes5)
+            bias = FIVE_BIT_BIAS.get(type_name, 0)
+            tiles = Unpacked(to_dot_codes5(tiles.codes, unpacked.scales.shape[1], bias), tiles.scales, tiles.offsets,
+                             tiles.group, -float(bias) if bias else None)
         return cls(type_name, factored_tiles(type_name, tiles), tail)
 
     @classmethod
@@ -160,10 +170,8 @@ class QuantizedMatrix:
             raise ValueError(f"{self.type_name}: nibble groups of {self.group} columns are wider than the integer "
                              f"kernels' 16-bit pair sums allow ({NIBBLE_GROUP_MAX})")
         scales, offsets, base_scales, base_offsets = self._dot_scales(t)
-        if self._five_bit:  # a nibble and a bit a code (qtiles.to_dot_codes5); Q5_0's codes go in as code + 16
-            bias = 16 if self.type_name == "Q5_0" else 0
-            return (to_dot_codes5(t.codes, self.tail.scales.shape[1], bias), scales, offsets, bias, base_scales,
-                    base_offsets)
+        if self._five_bit:  # the float layout's own codes (a nibble and a bit a code); Q5_0's are code + 16
+            return t.codes, scales, offsets, FIVE_BIT_BIAS.get(self.type_name, 0), base_scales, base_offsets
         codes = to_dot_codes(t.codes, self.tail.scales.shape[1])
         no_offsets = np.zeros((0, 0), dtype=np.float32)
         if t.offsets is None and t.offset_scale == -8.0:  # folded already: Q4_0's bias 8
@@ -221,13 +229,15 @@ class QuantizedMatrix:
         """The float layout, whichever is resident (a new array when it is the dot layout)."""
         if self._tiles is not None:
             return self._tiles
-        _, dot_scales, dot_offsets, _, base_scales, base_offsets = self._dot
+        dot_codes, dot_scales, dot_offsets, bias, base_scales, base_offsets = self._dot
+        # 5-bit codes: the same array in both layouts; others are quads here, columns there
+        codes = dot_codes if self._five_bit else from_dot_codes(dot_codes, self.tail.scales.shape[1], bias)
         if dot_scales.dtype == np.int8:  # a K type's factored scales: the float layout keeps them so too
-            codes = from_dot_codes(self._dot[0], self.tail.scales.shape[1], self._dot[3])
             return Unpacked(codes, dot_scales, dot_offsets if dot_offsets.shape[0] else None, self.group, None,
                             base_scales, base_offsets if base_offsets.size else None)
         scales, offsets = self._dot_scales_offsets()
-        codes = from_dot_codes(self._dot[0], self.tail.scales.shape[1], self._dot[3])
+        if self._five_bit:
+            return Unpacked(codes, scales, offsets, self.group, -float(bias) if bias else None)
         fold = FOLDED_OFFSETS.get(self.type_name)
         if fold is not None and offsets is not None and self._dot[3] == 8:
             return Unpacked(codes, scales, None, self.group, fold)
@@ -284,7 +294,7 @@ class QuantizedMatrix:
             return self.nbytes
         tiled = self.shape[0] - self.tail.scales.shape[0]
         groups = self.tail.scales.shape[1]
-        codes = tiled * _code_bytes(self.type_name, self.shape[1], want)
+        codes = tiled * _code_bytes(self.type_name, self.shape[1])
         tail = sum(a.nbytes for a in (self.tail.codes, self.tail.scales, self.tail.offsets) if a is not None)
         if want == "float":
             if self._dot[1].dtype == np.int8:  # factored: the float layout keeps the same arrays
@@ -313,10 +323,16 @@ class QuantizedMatrix:
         if isinstance(index, slice):
             index = np.arange(self.shape[0])[index]
         with self._lock:
-            if self._tiles is not None and self._tiles.base_scales is not None:
+            t = self._tiles
+            if t is not None and self._five_bit:  # the codes as the dot layout's (below), the scales gathered
+                index = np.asarray(index, dtype=np.int64).reshape(-1)
+                picked = gather_rows(*self._widened_tiles(index, False)) if t.base_scales is not None else \
+                    gather_rows(Unpacked(None, t.scales, t.offsets, t.group), self.tail, index)
+                return replace(picked, codes=self._picked_codes(t.codes, index, FIVE_BIT_BIAS.get(self.type_name, 0))
+                               if codes else None)
+            if t is not None and t.base_scales is not None:
                 return gather_rows(*self._widened_tiles(np.asarray(index, dtype=np.int64).reshape(-1), codes))
-            if self._tiles is not None:
-                t = self._tiles
+            if t is not None:
                 picked = gather_rows(t if codes else Unpacked(None, t.scales, t.offsets, t.group), self.tail, index)
                 if t.offsets is None and t.offset_scale is not None:  # folded: every row's offset is scale * factor
                     picked = Unpacked(picked.codes, picked.scales, picked.scales * np.float32(t.offset_scale),
@@ -344,12 +360,16 @@ class QuantizedMatrix:
                 offsets = np.empty_like(scales)
                 offsets[inside] = widened * np.float32(-8) if bias == 8 else tiled.offsets
                 offsets[~inside] = self.tail.offsets[tail_rows]
-            picked = None
-            if codes:
-                picked = np.empty((index.shape[0], self.tail.codes.shape[1]), dtype=self.tail.codes.dtype)
-                picked[inside] = gather_dot_codes(dot_codes, index[inside], bias)
-                picked[~inside] = self.tail.codes[tail_rows]
-            return Unpacked(picked, scales, offsets, self.group)
+            return Unpacked(self._picked_codes(dot_codes, index, bias) if codes else None, scales, offsets, self.group)
+
+    def _picked_codes(self, dot_codes: np.ndarray, index: np.ndarray, bias: int) -> np.ndarray:
+        """Row-ordered codes of rows `index` (int64) from dot-layout codes (bias taken off) and the tail."""
+        whole = dot_codes.shape[0] * LANES
+        inside = index < whole
+        picked = np.empty((index.shape[0], self.tail.codes.shape[1]), dtype=self.tail.codes.dtype)
+        picked[inside] = gather_dot_codes(dot_codes, index[inside], bias)
+        picked[~inside] = self.tail.codes[index[~inside] - whole]
+        return picked
 
     def _widened_tiles(self, index: np.ndarray, codes: bool) -> tuple[Unpacked, Unpacked, np.ndarray]:
         """(tiles, tail, index) for `gather_rows` from a float layout with factored scales: only the tiles
