@@ -90,10 +90,11 @@ def gather_dot_codes(dot: np.ndarray, index: np.ndarray, bias: int = 0) -> np.nd
     """Row-ordered codes [len(index), G * w] of rows `index` (all in whole tiles) of dot-layout codes
     [T, G, w * 8]: an embedding lookup reads the integer kernels' layout as it is, no second copy. 5-bit
     codes (four axes) are widened a tile at a time, the tiles the rows sit in only, then the rows taken."""
-    if dot.ndim == 4:
+    if dot.ndim == 4:  # each tile widened once, however many of its rows are taken (a band takes all eight)
         groups = dot.shape[1]
-        tiled = _from_dot_codes5(dot[index // LANES], groups, bias).reshape(len(index), groups, FIVE_BIT_GROUP, LANES)
-        picked = tiled[np.arange(len(index)), :, :, index % LANES]
+        needed, where = np.unique(index // LANES, return_inverse=True)
+        tiled = _from_dot_codes5(dot[needed], groups, bias).reshape(len(needed), groups, FIVE_BIT_GROUP, LANES)
+        picked = tiled[where.reshape(-1), :, :, index % LANES]
         return np.ascontiguousarray(picked).reshape(len(index), groups * FIVE_BIT_GROUP)
     tiles, groups, width = dot.shape[0], dot.shape[1], dot.shape[2] // LANES
     shaped = dot.reshape(tiles, groups, width // 4, LANES, 4)
@@ -118,7 +119,18 @@ def to_dot_codes5(codes: np.ndarray, groups: int, bias: int) -> np.ndarray:
     byte (r, c) = row r's column 4q + c in the low nibble, column 16 + 4q + c in the high), then one plane of
     the fifth bits: 8 bytes per load q, byte r = the bits of row r's eight codes of that load (bit c: column
     4q + c, bit 4 + c: column 16 + 4q + c), so one 8-byte load, a byte shuffle and two masks give a load's
-    bits in the bytes beside its nibbles (kernels/qdot.py)."""
+    bits in the bytes beside its nibbles (kernels/qdot.py). Made a band of tiles at a time: whole, its
+    temporaries for an embedding table's 28 M codes were ~150 MiB on top of a load's peak."""
+    tiles = codes.shape[0]
+    out = np.empty((tiles, groups, BIT_PLANE + 1, 32), dtype=np.uint8)
+    band = max(1, (1 << 18) // max(codes.shape[1], 1))  # tiles of ~256 K codes
+    for t0 in range(0, tiles, band):
+        out[t0:t0 + band] = _five_bit_planes(codes[t0:t0 + band], groups, bias)
+    return out
+
+
+def _five_bit_planes(codes: np.ndarray, groups: int, bias: int) -> np.ndarray:
+    """`to_dot_codes5` of a band of tiles."""
     tiles = codes.shape[0]
     u = (codes.reshape(tiles, groups, FIVE_BIT_GROUP, LANES).astype(np.int16) + bias).astype(np.uint8)
     if u.max(initial=0) > 31:
