@@ -58,5 +58,7 @@ def compare(args: argparse.Namespace, here: Path, measure: Callable[[Path], Cell
     """Measure this checkout (and `args.old`), alternating, and print the cells."""
     trees = {"new": here} if args.old is None else {"old": args.old.resolve(), "new": here}
     runs = alternate(trees, args.rounds, measure)
-    print(f"{unit}, one thread, W {args.shape[0]}x{args.shape[1]}, best of {args.repeats} x {args.rounds} round(s)")
+    threads = getattr(args, "threads", 1)
+    print(f"{unit}, {'one thread' if threads == 1 else f'{threads} threads (wall time)'}, W {args.shape[0]}x"
+          f"{args.shape[1]}, best of {args.repeats} x {args.rounds} round(s)")
     print_cells(runs, width)

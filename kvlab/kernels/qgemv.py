@@ -364,17 +364,18 @@ def _dequantize_tiles5_t(codes, scales, offsets, base_scales, base_offsets, fact
         for g in range(groups):
             _lane_values(scales, offsets, base_scales, base_offsets, factor, t, g, block, lane_scale, lane_offset)
             for q in range(4):
-                for r in range(8):
-                    bits = np.int32(codes[t, g, 4, 8 * q + r])
-                    for c in range(4):
+                for c in range(4):
+                    k = g * 32 + 4 * q + c
+                    for r in range(8):  # the eight rows' values of columns k and k + 16: adjacent floats
+                        bits = np.int32(codes[t, g, 4, 8 * q + r])
                         byte = np.int32(codes[t, g, q, 4 * r + c])
                         low = np.float32((byte & 15) | (((bits >> c) & 1) << 4)) * lane_scale[r]
                         high = np.float32((byte >> 4) | (((bits >> (4 + c)) & 1) << 4)) * lane_scale[r]
                         if has_offsets:
                             low += lane_offset[r]
                             high += lane_offset[r]
-                        out[g * 32 + 4 * q + c, base + r] = low
-                        out[g * 32 + 16 + 4 * q + c, base + r] = high
+                        out[k, base + r] = low
+                        out[k + 16, base + r] = high
 
 
 def dequantize_tiles_t(tiles, t0: int, t1: int, out: np.ndarray) -> None:
