@@ -108,14 +108,9 @@ def test_inner_loop_is_eight_rows_in_a_vector_register():
 
 # --- matrices of different types stacked by rows (a Q4_K_M layer's q/k/v) -------------------------------
 if AVAILABLE:
-    from numba import njit
-
     from kvlab.kernels import qdecode_layer
 
-    @njit(cache=True)  # cached: a test-local kernel, not cached, compiled its ~40 s in every run
-    def stacked_runner(x, w, out):
-        """qdecode_layer._product (an overload: callable from compiled code only) from Python."""
-        qdecode_layer._product(x, w, out)
+    stacked_runner = qdecode_layer._product  # one matrix or a stack, the branch the layer kernels take
 
 
 @needs_numba
@@ -127,7 +122,7 @@ if AVAILABLE:
 @given(heights=st.lists(st.integers(1, 28), min_size=3, max_size=3), rows=st.integers(1, 16),
        seed=st.integers(0, 2**16))
 def test_stacked_products_are_each_parts_product_in_its_columns(types, activations, heights, rows, seed):
-    """The fused kernels' stack (q/k/v or gate/up of different types, kernels/qdecode_layer._product) puts
+    """The fused kernels' stack (q/k/v or gate/up of different types, kernels/qdecode_layer._stack_product) puts
     each part's product in its columns, bit for bit what that matrix gives alone: with int8 activations the
     model's own q8 product of it, in the float layout the same kernels run on that matrix alone (and near
     the dequantized float64 product); parts of any height, tails of fewer than eight rows included, one to

@@ -239,12 +239,14 @@ def dot_product(x, w, out):
 
 def dot_kernel_args(layout: tuple, tail) -> tuple:
     """(codes, scales, offsets, tail codes, tail scales, tail offsets, group, bias, base scales, base
-    offsets): a matrix as the integer kernels take it, from its dot layout (QuantizedMatrix.dot_layout:
+    offsets, 0): a matrix as the integer kernels take it, from its dot layout (QuantizedMatrix.dot_layout:
     codes, scales, offsets, bias, base scales, base offsets) and the row-ordered tail (read by `tail_rows`
-    as the float kernels read it)."""
+    as the float kernels read it). The eleventh field marks the layout: `kernel_args` gives ten, and the
+    fused layer kernels pick the integer or the float product by the tuple's length when numba compiles
+    them (kernels/qdecode_layer.py; 5-bit codes are the same array in both layouts)."""
     codes, scales, offsets, bias, base_scales, base_offsets = layout
     return (codes, scales, offsets, tail.codes, tail.scales, NO_OFFSETS if tail.offsets is None else tail.offsets,
-            tail.group, bias, base_scales, base_offsets)
+            tail.group, bias, base_scales, base_offsets, 0)
 
 
 def qmatmul_dot(x: np.ndarray, layout: tuple, tail) -> np.ndarray:

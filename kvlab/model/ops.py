@@ -325,7 +325,7 @@ class QuantizedOps(CompiledOps):
                                        for name in ("w_qkv", "w_o", "w_gate_up", "w_down"))
 
         def args(w: Any) -> tuple | None:
-            if isinstance(w, RowStack):  # types differ: a tuple of the parts' tuples (qdecode_layer._product)
+            if isinstance(w, RowStack):  # types differ: a tuple of the parts' tuples (qdecode_layer._stack_product)
                 parts = [args(p) for p in w.parts]
                 return None if None in parts or len(parts) > 3 else tuple(parts)
             if not isinstance(w, QuantizedMatrix):
