@@ -22,7 +22,7 @@ from kvlab.errors import CacheMismatchError, InputError
 from kvlab.kernels import AVAILABLE
 from kvlab.model.act_quant import round_activations, rounded
 from kvlab.model.ggml_quants import BLOCK_SIZES, BLOCK_TYPES, Unpacked, dequantize, unpack
-from kvlab.model.qtiles import LANES, from_dot_codes, gather_dot_codes, to_dot_codes, to_dot_codes5
+from kvlab.model.qtiles import LANES, from_dot_codes, gather_dot_codes, to_dot_codes, to_dot_codes5, to_dot_codes6
 from kvlab.model.quantized import QuantizedMatrix
 
 gguf = pytest.importorskip("gguf")
@@ -160,6 +160,34 @@ def test_the_five_bit_dot_layout_keeps_a_nibble_and_a_bit_per_code(tiles, groups
     assert np.array_equal(gather_dot_codes(dot, index, bias), by_row[index])
     with pytest.raises(ValueError, match="0..31"):
         to_dot_codes5(np.full_like(codes, 31 - bias + 1), groups, bias)
+
+
+@settings(max_examples=30, deadline=None)
+@given(tiles=st.integers(1, 3), groups=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_the_six_bit_dot_layout_keeps_a_nibble_and_a_crumb_per_code(tiles, groups, seed):
+    """6-bit codes (Q6_K, -32..31, kept as code + 32) in the dot layout: two planes of nibbles (load p: row
+    r's column 4p + c low, 8 + 4p + c high) and a plane of crumbs whose byte 4r + c holds those two columns'
+    high bits at bits 4p and 4p + 2; int8 (the kernels' mark), 6 bits a code, and back to the same codes,
+    whole or a few rows at a time."""
+    rng = np.random.default_rng(seed)
+    codes = (rng.integers(0, 64, (tiles, groups * 16 * LANES)) - 32).astype(np.int8)
+    dot = to_dot_codes6(codes, groups, 32)
+    assert dot.shape == (tiles, groups, 3, 32) and dot.dtype == np.int8 and dot.nbytes * 8 == codes.size * 6
+    u = (codes.astype(np.int16) + 32).reshape(tiles, groups, 16, LANES)   # (t, g, column, row)
+    nibbles = dot.view(np.uint8)[:, :, :2].reshape(tiles, groups, 2, LANES, 4)   # (t, g, load, row, column)
+    crumbs = dot.view(np.uint8)[:, :, 2].reshape(tiles, groups, LANES, 4)   # (t, g, row, column in quad)
+    for column in range(8):
+        p, c = column // 4, column % 4
+        assert np.array_equal(nibbles[:, :, p, :, c] & 15, u[:, :, column] & 15)
+        assert np.array_equal(nibbles[:, :, p, :, c] >> 4, u[:, :, 8 + column] & 15)
+        assert np.array_equal((crumbs[:, :, :, c] >> (4 * p)) & 3, u[:, :, column] >> 4)
+        assert np.array_equal((crumbs[:, :, :, c] >> (4 * p + 2)) & 3, u[:, :, 8 + column] >> 4)
+    assert np.array_equal(from_dot_codes(dot, groups, 32), codes)
+    index = rng.integers(0, tiles * LANES, 5)
+    by_row = codes.reshape(tiles, groups, 16, LANES).transpose(0, 3, 1, 2).reshape(tiles * LANES, -1)
+    assert np.array_equal(gather_dot_codes(dot, index, 32), by_row[index])
+    with pytest.raises(ValueError, match="0..63"):
+        to_dot_codes6(np.full_like(codes, 32), groups, 32)
 
 
 @needs_numba

@@ -256,13 +256,14 @@ def test_k_types_keep_their_scales_factored_in_the_integer_layout(type_name):
         assert predicted_bytes(type_name, (4096, 4096), "q8") <= 1.06 * (4096 * 4096 // 256 * 144)
 
 
-@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1", "Q5_K"])
-def test_five_bit_codes_keep_five_bits_in_the_exact_mode_too(type_name):
-    """5-bit codes stay a nibble and a bit (qtiles.to_dot_codes5) in the float layout as in the integer one:
-    one array both layouts share (converting moves no code), read back as the file's codes, dequantized by a
-    prefill band to the file's values bit for bit (Q5_0's code + 16 with -16 * scale folded: both products
-    exact), multiplied by the exact kernel as the dequantized matrix is, and kept at <= 1.2x the file's
-    bytes in both modes (with a byte a code, the exact mode kept Q5_0 at 1.64x)."""
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1", "Q5_K", "Q6_K"])
+def test_packed_codes_keep_their_bits_in_the_exact_mode_too(type_name):
+    """5- and 6-bit codes stay a nibble and a bit or a crumb (qtiles.to_packed_codes) in the float layout as
+    in the integer one: one array both layouts share (converting moves no code), read back as the file's
+    codes, dequantized by a prefill band to the file's values bit for bit (Q5_0's code + 16 with -16 * scale
+    folded: both products exact; Q6_K's code + 32 taken off), multiplied by the exact kernel as the
+    dequantized matrix is, and kept at <= 1.2x the file's bytes in both modes (with a byte a code, the
+    exact mode kept Q5_0 at 1.64x, both modes Q6_K at 1.31x)."""
     from gguf_files import blocks
 
     from kvlab.kernels import AVAILABLE
@@ -273,7 +274,9 @@ def test_five_bit_codes_keep_five_bits_in_the_exact_mode_too(type_name):
     file_values = dequantize(unpack(type_name, raw, (rows, cols)))
     matrix = QuantizedMatrix.from_blocks(type_name, raw, (rows, cols))
     codes = matrix.tiles.codes
-    assert codes.dtype == np.uint8 and codes.shape == (2, cols // 32, 5, 32)
+    six = type_name == "Q6_K"  # int8 [T, G, 3, 32] (groups of 16), 5-bit codes uint8 [T, G, 5, 32]
+    assert codes.dtype == (np.int8 if six else np.uint8)
+    assert codes.shape == ((2, cols // 16, 3, 32) if six else (2, cols // 32, 5, 32))
     assert np.array_equal(matrix.unpacked.codes, unpack(type_name, raw, (rows, cols)).codes)
     assert np.array_equal(matrix.dequantize(), file_values)
     if AVAILABLE:

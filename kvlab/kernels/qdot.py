@@ -27,6 +27,9 @@ kernel rebuilds the same float32 scale as base * float(int), exact: 1 byte a gro
 model/qtiles.to_dot_codes5; the array's fourth axis marks them): per load `fifth_bits` turns 8 bytes into 16s
 ORed into the low and high nibbles (a byte shuffle, and, compare, select, shared by the rows), and the codes
 go in unsigned, 0..31, Q5_0's bias 16 taken off as Q4_0's 8 is: 5 bits a weight read, as in the file.
+Q6_K's 6-bit codes come as nibbles and a plane of crumbs ([T, G, 3, 32] int8, model/qtiles.to_dot_codes6):
+per load the crumb plane shifted by a constant and masked (`crumbs`) is ORed into the low and high nibbles,
+and the codes go in as code + 32, 0..63, as the small codes below: 6 bits a weight read, as in the file.
 
 Where the CPU has AVX2 but no VNNI (Zen 3, Haswell to Skylake: `MADD`), llama.cpp's AVX2 arithmetic:
 `vpmaddubsw` makes 32 byte products into 16-bit pair sums and `vpmaddwd` by ones adds each row's four.
@@ -69,10 +72,10 @@ from numba import types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
-from kvlab.kernels.layout import BIT_PLANE, LANES, QUAD, SMALL_BIAS
-from kvlab.kernels.qsimd import _fma, fifth_bits
+from kvlab.kernels.layout import BIT_PLANE, CRUMB_PLANE, LANES, QUAD, SMALL_BIAS
+from kvlab.kernels.qsimd import _fma, crumbs, fifth_bits
 
-UNROLL = 2  # independent accumulators per row of x (the quad loop steps by this)
+UNROLL = 2  # independent accumulators per row of x (the quad loop steps by this; a 6-bit group's two loads)
 _I8 = ir.IntType(8)
 _I16 = ir.IntType(16)
 _I32 = ir.IntType(32)
@@ -226,17 +229,19 @@ def _make_tile_dot(rows: int, pair: bool = False):
         signed = codes.dtype == types.int8
         if not signed and codes.dtype != types.uint8:
             return None
-        five = codes.ndim == 4  # 5-bit codes: [T, G, 5, 32], four planes of nibbles and one of bits
-        if five and signed:
-            return None
+        # packed codes: 5-bit ones uint8 [T, G, 5, 32] (four planes of nibbles, one of bits), 6-bit ones
+        # int8 [T, G, 3, 32] (two planes of nibbles, one of crumbs; code + 32, as small codes go in)
+        packed = codes.ndim == 4
+        five, six = packed and not signed, packed and signed
         # uint16: float16 bits (numba has no float16); int8: a K type's factored scales (times base_scales)
         if scales.dtype not in (types.uint16, types.float32, types.int8) or qbias.dtype != types.int32:
             return None
         half_scales = scales.dtype == types.uint16
         factored = scales.dtype == types.int8
-        # a K type's small signed codes (int8 beside factored scales: Q6_K, Q3_K) read as code + 32, unsigned
-        # (layout.SMALL_BIAS; model/quantized.py refuses others), so AVX2 needs no sign trick for them
-        small = signed and factored
+        # a K type's small signed codes (int8 beside factored scales: Q3_K; Q6_K's unless packed) read as
+        # code + 32, unsigned (layout.SMALL_BIAS; model/quantized.py refuses others), so AVX2 needs no sign
+        # trick for them; 6-bit packed codes are code + 32 already, whatever their scales
+        small = signed and factored and not six
         factored_offsets = offsets.dtype == types.int8
         sig = types.void(xq, m0, dx, qbias, fsum, codes, scales, offsets, base_scales, base_offsets, t, out)
 
@@ -244,8 +249,9 @@ def _make_tile_dot(rows: int, pair: bool = False):
             xa, m0v, dxa, qba, fsa, ca, sa, oa, bsa, boa, tv, outa = args
             # MADD takes 8-bit codes unflipped (the sign trick): their dot has no code + 128 to take off. Read
             # here, at code generation, as `_dpbusd` reads MADD (numba caches an intrinsic's typing)
-            sign_trick = MADD and signed and not pair and not small
-            in_pairs = nibble_pairs(accs, not signed or small, pair)
+            sign_trick = MADD and signed and not pair and not small and not six
+            unsigned = not signed or small or six  # the codes go into the products as unsigned bytes
+            in_pairs = nibble_pairs(accs, unsigned, pair)
             xs, dxs, qbs, fss, cs, ss, os_, bss, bos, outs = [
                 cgutils.create_struct_proxy(ty)(context, builder, value=v)
                 for ty, v in zip([signature.args[i] for i in (0, 2, 3, 4, 5, 6, 7, 8, 9, 11)],
@@ -256,9 +262,9 @@ def _make_tile_dot(rows: int, pair: bool = False):
                 return ir.Constant(intp, v)
 
             width = cgutils.unpack_tuple(builder, xs.shape)[1]
-            if five:  # the nibbles' 4 planes of 32 bytes a group, then its plane of fifth bits
+            if packed:  # the nibbles' 4 (5-bit) or 2 (6-bit) planes of 32 bytes a group, then its bits or crumbs
                 _, n_groups, planes, plane_bytes = cgutils.unpack_tuple(builder, cs.shape)
-                group_bytes = const(BIT_PLANE * LANES * QUAD)
+                group_bytes = const((CRUMB_PLANE if six else BIT_PLANE) * LANES * QUAD)
                 group_stride = builder.mul(planes, plane_bytes)
             else:
                 _, n_groups, group_bytes = cgutils.unpack_tuple(builder, cs.shape)
@@ -270,7 +276,7 @@ def _make_tile_dot(rows: int, pair: bool = False):
             m0_v = builder.sext(m0v, intp) if m0v.type != intp else m0v
             t_v = builder.sext(tv, intp) if tv.type != intp else tv
             quads = builder.udiv(group_bytes, const(LANES * QUAD))
-            group = builder.udiv(group_bytes, const(LANES if signed else LANES // 2))  # columns a group
+            group = builder.udiv(group_bytes, const(LANES if signed and not six else LANES // 2))  # columns a group
             half = builder.lshr(group, const(1))
             code_base = builder.gep(cs.data, [builder.mul(builder.mul(t_v, n_groups), group_stride)])
             scale_base = builder.gep(ss.data, [builder.mul(t_v, scale_row)])
@@ -326,8 +332,9 @@ def _make_tile_dot(rows: int, pair: bool = False):
                         builder.store(zero_i, a)
                 codes_g = builder.gep(code_base, [builder.mul(g, group_stride)])
                 k0 = builder.mul(g, group)
-                def products(q: ir.Value, first: int) -> int:
-                    """The products of quad load q into the accumulators from `first` on (round robin)."""
+                def products(q: ir.Value, first: int, load: int) -> int:
+                    """The products of quad load q into the accumulators from `first` on (round robin). `load`:
+                    q as a constant where the loop runs once (6-bit codes: two loads a group, UNROLL)."""
                     at = builder.mul(q, const(LANES * QUAD))
                     raw = _load(builder, codes_g, at, _V32I8)
                     if pair:
@@ -338,7 +345,7 @@ def _make_tile_dot(rows: int, pair: bool = False):
                         parts, magnitudes = [(raw, k)], magnitude(builder, raw)
                     elif small:
                         parts = [(builder.add(raw, plus_small), k)]
-                    elif signed:
+                    elif signed and not six:
                         parts = [(builder.xor(raw, flip), k)]
                     else:
                         parts = [(builder.and_(raw, low_mask), k), (builder.lshr(raw, four), builder.add(k, half))]
@@ -350,29 +357,34 @@ def _make_tile_dot(rows: int, pair: bool = False):
                                 tile_bytes, builder.add(group_bytes, builder.mul(q, const(LANES))))]))
                             bits = tuple(_concat(builder, a, b) for a, b in zip(bits, second))
                         parts = [(builder.or_(c, b), kk) for (c, kk), b in zip(parts, bits)]
+                    if six:  # each nibble's two high bits, as 16s, from the group's plane of crumbs
+                        plane = _load(builder, codes_g, group_bytes, _V32I8)
+                        if pair:
+                            plane = _concat(builder, plane, _load(builder, codes_g, builder.add(tile_bytes, group_bytes),
+                                                                  _V32I8))
+                        parts = [(builder.or_(c, b), kk) for (c, kk), b in zip(parts, crumbs(builder, plane, load))]
                     for codes4, kk in parts:
                         for i in range(rows):
                             a = acc[i][first % accs]
                             x4 = _load(builder, x_rows[i], kk, _I32)
-                            builder.store(_dpbusd(builder, builder.load(a), codes4, x4, not signed or small,
-                                                  magnitudes), a)
+                            builder.store(_dpbusd(builder, builder.load(a), codes4, x4, unsigned, magnitudes), a)
                         first += 1
                     return first
 
                 with cgutils.for_range(builder, builder.udiv(quads, const(UNROLL))) as q_loop:
                     first = 0
                     for u in range(UNROLL):
-                        first = products(builder.add(builder.mul(q_loop.index, const(UNROLL)), const(u)), first)
+                        first = products(builder.add(builder.mul(q_loop.index, const(UNROLL)), const(u)), first, u)
                 lane0 = builder.mul(g, const(LANES))
                 scale = lane_values(factored, half_scales, scale_base, base_scale_row, lane0, g)
                 for i in range(rows):
                     sums = [builder.load(a) for a in acc[i]]
-                    if in_pairs and not (five or small):  # nibbles: one 16-bit sum a group, widened once
+                    if in_pairs and not (five or six or small):  # nibbles: one 16-bit sum a group, widened once
                         merged = sums[0]
                         for v in sums[1:]:
                             merged = builder.add(merged, v)
                         sums = [widen_pairs(builder, merged)]
-                    elif in_pairs:  # 5-bit and small codes: each accumulator widened apart (`nibble_pairs`)
+                    elif in_pairs:  # 5-, 6-bit and small codes: each accumulator widened apart (`nibble_pairs`)
                         sums = [widen_pairs(builder, v) for v in sums]
                     dot = sums[0]
                     for v in sums[1:]:

@@ -310,15 +310,73 @@ def _lane_values(scales, offsets, base_scales, base_offsets, factor, t, g, block
             lane_offset[r] = o * factor
 
 
+@njit(cache=True, inline="always")
+def _byte_columns(codes, t, g, group, nibbles, base, lane_scale, lane_offset, has_offsets, out):
+    """Group g of tile t as values, int8 codes (a column's eight rows in 8 bytes) or nibbles (byte j: weight j
+    low, j + group / 2 high): out[k, base + r] for the group's columns k."""
+    per = group // 2 if nibbles else group
+    for j in range(per):
+        c0 = (g * per + j) * 8
+        k = g * group + j
+        for r in range(8):
+            s = lane_scale[r]
+            o = lane_offset[r]
+            if nibbles:
+                byte = np.int32(codes[t, c0 + r])
+                low = np.float32(byte & 15) * s
+                high = np.float32(byte >> 4) * s
+                if has_offsets:
+                    low += o
+                    high += o
+                out[k, base + r] = low
+                out[k + per, base + r] = high
+            else:
+                value = np.float32(codes[t, c0 + r]) * s
+                if has_offsets:
+                    value += o
+                out[k, base + r] = value
+
+
+@njit(cache=True, inline="always")
+def _packed_columns(codes, t, g, base, lane_scale, lane_offset, has_offsets, out):
+    """Group g of tile t as values, 5-bit codes (uint8 [T, G, 5, 32], qtiles.to_dot_codes5: groups of 32) or
+    6-bit ones (int8 [T, G, 3, 32], to_dot_codes6: groups of 16, code + 32): load q's byte 4r + c holds row
+    r's columns 4q + c (low nibble) and half + 4q + c (high); the fifth bits' byte 8q + r holds theirs at
+    bits c and 4 + c, the crumbs' byte 4r + c at bits 4q and 4q + 2. The eight rows' values of a column land
+    in adjacent floats. Q5_0's codes are code + 16 with the offset -16 * scale folded (factor -16): scale * u
+    and 16 * scale are exact in float32, so their sum is (u - 16) * scale exactly, as
+    ggml_quants.dequantize computes it; a 6-bit code's 32 is taken off before the product."""
+    six = codes.shape[2] == 3
+    loads, half, bias = (2, 8, 32) if six else (4, 16, 0)
+    for q in range(loads):
+        for c in range(4):
+            k = g * 2 * half + 4 * q + c
+            for r in range(8):
+                byte = np.int32(codes[t, g, q, 4 * r + c]) & 255
+                if six:
+                    crumb = np.int32(codes[t, g, 2, 4 * r + c]) & 255
+                    low_bit, high_bit = (crumb >> (4 * q)) & 3, (crumb >> (4 * q + 2)) & 3
+                else:
+                    bits = np.int32(codes[t, g, 4, 8 * q + r])
+                    low_bit, high_bit = (bits >> c) & 1, (bits >> (4 + c)) & 1
+                low = np.float32(((byte & 15) | (low_bit << 4)) - bias) * lane_scale[r]
+                high = np.float32(((byte >> 4) | (high_bit << 4)) - bias) * lane_scale[r]
+                if has_offsets:
+                    low += lane_offset[r]
+                    high += lane_offset[r]
+                out[k, base + r] = low
+                out[k + half, base + r] = high
+
+
 @njit(parallel=True, cache=True)
 def _dequantize_tiles_t(codes, scales, offsets, base_scales, base_offsets, factor, group, t0, t1, out):
     """out[k, 8(t - t0) + r] = scale * code + offset * factor for tiles t0..t1-1 (factor 1, or a folded
     offset's power of two: exact): the band transposed, so a tile's eight interleaved codes of one column
     land in eight adjacent floats (the r loop vectorises: loads and stores both contiguous). IEEE float32
-    as ggml_quants.dequantize computes it (multiply, then add; no contraction: the same bits)."""
+    as ggml_quants.dequantize computes it (multiply, then add; no contraction: the same bits). Codes of
+    four axes are packed 5- or 6-bit ones (`_packed_columns`; numba folds `ndim` before typing)."""
     groups = scales.shape[1] // 8
     nibbles = 2 * codes.shape[1] == groups * group * 8
-    per = group // 2 if nibbles else group
     has_offsets = offsets.shape[0] > 0
     block = groups // max(base_scales.shape[1] // 8, 1)
     for t in prange(t0, t1):
@@ -327,57 +385,10 @@ def _dequantize_tiles_t(codes, scales, offsets, base_scales, base_offsets, facto
         lane_offset = np.zeros(8, dtype=np.float32)
         for g in range(groups):
             _lane_values(scales, offsets, base_scales, base_offsets, factor, t, g, block, lane_scale, lane_offset)
-            for j in range(per):
-                c0 = (g * per + j) * 8
-                k = g * group + j
-                for r in range(8):
-                    s = lane_scale[r]
-                    o = lane_offset[r]
-                    if nibbles:
-                        byte = np.int32(codes[t, c0 + r])
-                        low = np.float32(byte & 15) * s
-                        high = np.float32(byte >> 4) * s
-                        if has_offsets:
-                            low += o
-                            high += o
-                        out[k, base + r] = low
-                        out[k + per, base + r] = high
-                    else:
-                        value = np.float32(codes[t, c0 + r]) * s
-                        if has_offsets:
-                            value += o
-                        out[k, base + r] = value
-
-
-@njit(parallel=True, cache=True)
-def _dequantize_tiles5_t(codes, scales, offsets, base_scales, base_offsets, factor, t0, t1, out):
-    """`_dequantize_tiles_t` for 5-bit codes ([T, G, 5, 32]: model/qtiles.to_dot_codes5, groups of 32):
-    load q's byte 4r + c holds row r's columns 4q + c (low nibble) and 16 + 4q + c (high), the bit plane's
-    byte 8q + r their fifth bits (bit c, and 4 + c). Q5_0's codes are code + 16 with the offset -16 * scale
-    folded (factor -16): scale * u and 16 * scale are exact in float32, so their sum is (u - 16) * scale
-    exactly, as ggml_quants.dequantize computes it."""
-    groups = scales.shape[1] // 8
-    has_offsets = offsets.shape[0] > 0
-    block = groups // max(base_scales.shape[1] // 8, 1)
-    for t in prange(t0, t1):
-        base = (t - t0) * 8
-        lane_scale = np.empty(8, dtype=np.float32)
-        lane_offset = np.zeros(8, dtype=np.float32)
-        for g in range(groups):
-            _lane_values(scales, offsets, base_scales, base_offsets, factor, t, g, block, lane_scale, lane_offset)
-            for q in range(4):
-                for c in range(4):
-                    k = g * 32 + 4 * q + c
-                    for r in range(8):  # the eight rows' values of columns k and k + 16: adjacent floats
-                        bits = np.int32(codes[t, g, 4, 8 * q + r])
-                        byte = np.int32(codes[t, g, q, 4 * r + c])
-                        low = np.float32((byte & 15) | (((bits >> c) & 1) << 4)) * lane_scale[r]
-                        high = np.float32((byte >> 4) | (((bits >> (4 + c)) & 1) << 4)) * lane_scale[r]
-                        if has_offsets:
-                            low += lane_offset[r]
-                            high += lane_offset[r]
-                        out[k, base + r] = low
-                        out[k + 16, base + r] = high
+            if codes.ndim == 4:
+                _packed_columns(codes, t, g, base, lane_scale, lane_offset, has_offsets, out)
+            else:
+                _byte_columns(codes, t, g, group, nibbles, base, lane_scale, lane_offset, has_offsets, out)
 
 
 def dequantize_tiles_t(tiles, t0: int, t1: int, out: np.ndarray) -> None:
@@ -386,7 +397,4 @@ def dequantize_tiles_t(tiles, t0: int, t1: int, out: np.ndarray) -> None:
     offsets, factor = tile_offsets(tiles)
     bases = (NO_OFFSETS if tiles.base_scales is None else tiles.base_scales,
              NO_OFFSETS if tiles.base_offsets is None else tiles.base_offsets)
-    if tiles.codes.ndim == 4:  # 5-bit codes, a nibble and a bit each (model/qtiles.to_dot_codes5)
-        _dequantize_tiles5_t(tiles.codes, tiles.scales, offsets, *bases, factor, t0, t1, out)
-    else:
-        _dequantize_tiles_t(tiles.codes, tiles.scales, offsets, *bases, factor, tiles.group, t0, t1, out)
+    _dequantize_tiles_t(tiles.codes, tiles.scales, offsets, *bases, factor, tiles.group, t0, t1, out)

@@ -19,7 +19,8 @@ rows of x, each a compile-time constant so the R accumulators stay in registers)
 uint8 [T, G*group*4] (byte (g, j, r): row r's weight j of group g in its low nibble, weight j + 16 in its
 high), or 5-bit codes uint8 [T, G, 5, 32] (groups of 32: model/qtiles.to_dot_codes5, the integer kernels'
 own layout, so the exact mode keeps 5 bits a weight as the file does; a load of 32 bytes is four columns of
-the eight rows, read as eight int32 lanes, one row each, a shift and a mask a column); scales and offsets
+the eight rows, read as eight int32 lanes, one row each, a shift and a mask a column), or 6-bit codes int8
+[T, G, 3, 32] (Q6_K's, groups of 16: qtiles.to_dot_codes6, code + 32, taken off here); scales and offsets
 float32 [T, G*8], or a K type's factored int8 [T, G*8] with float32 bases
 [T, SB*8] a super-block and row (model/qtiles.factor_scales: base * float(int) is the float32 scale, bit
 for bit, so the products are the same); an offsets array with no rows means none (then xsum is not read);
@@ -34,7 +35,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kvlab.kernels.layout import BIT_PLANE, LANES, QUAD
+from kvlab.kernels.layout import BIT_PLANE, CRUMB_PLANE, LANES, QUAD, SMALL_BIAS
 
 UNROLL = {1: 4, 2: 2, 3: 2, 4: 2}
 _F32 = ir.FloatType()
@@ -83,6 +84,20 @@ def fifth_bits(builder: ir.IRBuilder, at: ir.Value) -> tuple[ir.Value, ir.Value]
     return out[0], out[1]
 
 
+def crumbs(builder: ir.IRBuilder, plane: ir.Value, load: int) -> tuple[ir.Value, ir.Value]:
+    """A 6-bit load's two high bits (qtiles.to_dot_codes6: the crumb plane's 32 bytes, bits 4p, 4p + 1 for load
+    p's low nibbles and 4p + 2, 4p + 3 for its high ones) as two vectors of 16 * crumb beside the low and high
+    nibbles: a shift by a constant and a mask each, the same for every byte (32 or, for a tile pair, 64)."""
+    vector = plane.type
+    mask = ir.Constant(vector, [0x30] * vector.count)
+    out = []
+    for bit in (4 * load, 4 * load + 2):  # the crumb's lowest bit, moved to bit 4
+        moved = plane if bit == 4 else (builder.shl(plane, ir.Constant(vector, [4 - bit] * vector.count))
+                                        if bit < 4 else builder.lshr(plane, ir.Constant(vector, [bit - 4] * vector.count)))
+        out.append(builder.and_(moved, mask))
+    return out[0], out[1]
+
+
 def _make_tile_product(rows: int):
     # independent accumulators per row of x, so that an FMA's latency (4 cycles) does not serialise the
     # loop: unroll * rows chains in flight; codes per group (16 or 32 or, for nibbles, 8 or 16) divide by it
@@ -93,9 +108,9 @@ def _make_tile_product(rows: int):
         signed = codes.dtype == types.int8
         if not signed and codes.dtype != types.uint8:
             return None
-        five = codes.ndim == 4  # 5-bit codes: [T, G, 5, 32], four planes of nibbles and one of bits
-        if five and signed:
-            return None
+        # packed codes: 5-bit ones uint8 [T, G, 5, 32] (four planes of nibbles, one of bits), 6-bit ones int8
+        # [T, G, 3, 32] (two planes of nibbles, one of crumbs)
+        packed = codes.ndim == 4
         if scales.dtype not in (types.float32, types.int8) or offsets.dtype not in (types.float32, types.int8):
             return None
         factored, factored_offsets = scales.dtype == types.int8, offsets.dtype == types.int8
@@ -110,8 +125,8 @@ def _make_tile_product(rows: int):
             intp = context.get_value_type(types.intp)
             width = cgutils.unpack_tuple(builder, xs.shape)[1]
             code_shape = cgutils.unpack_tuple(builder, cs.shape)
-            group_stride = builder.mul(code_shape[2], code_shape[3]) if five else None  # 5 planes of 32 bytes
-            code_row = builder.mul(code_shape[1], group_stride) if five else code_shape[1]
+            group_stride = builder.mul(code_shape[2], code_shape[3]) if packed else None  # planes of 32 bytes
+            code_row = builder.mul(code_shape[1], group_stride) if packed else code_shape[1]
             scale_row = cgutils.unpack_tuple(builder, ss.shape)[1]
             n_groups = builder.udiv(scale_row, ir.Constant(intp, LANES))
             sum_row = cgutils.unpack_tuple(builder, sums.shape)[1]
@@ -170,25 +185,49 @@ def _make_tile_product(rows: int):
                             high = builder.lshr(wide, ir.Constant(_V8I32, [4] * LANES))
                             add_column(builder.uitofp(high, _V8F), builder.add(k, half), u)
 
-            def five_bit_group(codes_g: ir.Value, k0: ir.Value) -> None:
-                """A group of 32 five-bit codes as qtiles.to_dot_codes5 lays them out (the integer kernels'
-                layout: one copy of the codes serves both modes). Load q's 32 bytes are row r's columns
-                4q + c (low nibbles) and 16 + 4q + c (high) in byte 4r + c, so as eight int32 lanes, lane r
-                is row r: a shift by 8c and a mask give column c's code for the eight rows, no shuffle. The
-                fifth bits (`fifth_bits`) are ORed in as 16s first."""
+            def packed_group(codes_g: ir.Value, k0: ir.Value) -> None:
+                """A group of 5-bit codes (32 columns) or 6-bit ones (16) as qtiles.to_packed_codes lays them
+                out (the integer kernels' layout: one copy of the codes serves both modes). Load q's 32 bytes
+                are row r's columns 4q + c (low nibbles) and half + 4q + c (high) in byte 4r + c, so as eight
+                int32 lanes, lane r is row r: a shift by 8c and a mask give column c's code for the eight
+                rows, no shuffle. The fifth bits (`fifth_bits`) or the crumbs (`crumbs`) are ORed in first;
+                6-bit codes are code + 32: the bias is taken off the 32 bytes, then each column's byte is
+                sign-extended (a shift left and an arithmetic one right)."""
                 nibble, byte = ir.Constant(_V32I8, [15] * 32), ir.Constant(_V8I32, [255] * LANES)
-                for q in range(BIT_PLANE):
-                    plane = _load(builder, codes_g, ir.Constant(intp, q * LANES * QUAD), _V32I8)
-                    low_bits, high_bits = fifth_bits(builder, builder.gep(codes_g, [ir.Constant(
-                        intp, BIT_PLANE * LANES * QUAD + q * LANES)]))
-                    low = builder.bitcast(builder.or_(builder.and_(plane, nibble), low_bits), _V8I32)
-                    high = builder.bitcast(builder.or_(builder.lshr(plane, ir.Constant(_V32I8, [4] * 32)), high_bits),
-                                           _V8I32)
+                half = 8 if signed else 16  # the high nibbles' columns are this far on
+                crumb_plane = _load(builder, codes_g, ir.Constant(intp, CRUMB_PLANE * LANES * QUAD), _V32I8) \
+                    if signed else None
+                # a loop over the loads, not unrolled (its trip count is the array's): written out, LLVM
+                # hoisted every column's broadcasts of x ahead of the products and spilled them (a K type's
+                # 6-bit codes at four rows of x ran at 0.39x the int8 codes' speed, bench_qdot_rows.py)
+                with cgutils.for_range(builder, builder.sub(code_shape[2], ir.Constant(intp, 1))) as q_loop:
+                    q = q_loop.index
+                    plane = _load(builder, codes_g, builder.mul(q, ir.Constant(intp, LANES * QUAD)), _V32I8)
+                    if signed:  # load q's crumbs moved to bits 0..3 (a shift by 4q, the same for every byte)
+                        by = builder.trunc(builder.shl(q, ir.Constant(intp, 2)), ir.IntType(8))
+                        shift = builder.shuffle_vector(
+                            builder.insert_element(ir.Constant(_V32I8, ir.Undefined), by, ir.Constant(_I32, 0)),
+                            ir.Constant(_V32I8, ir.Undefined), ir.Constant(ir.VectorType(_I32, 32), [0] * 32))
+                        low_bits, high_bits = crumbs(builder, builder.lshr(crumb_plane, shift), 0)
+                    else:
+                        low_bits, high_bits = fifth_bits(builder, builder.gep(codes_g, [builder.add(
+                            ir.Constant(intp, BIT_PLANE * LANES * QUAD), builder.mul(q, ir.Constant(intp, LANES)))]))
+                    values = [builder.or_(builder.and_(plane, nibble), low_bits),
+                              builder.or_(builder.lshr(plane, ir.Constant(_V32I8, [4] * 32)), high_bits)]
+                    if signed:
+                        values = [builder.sub(v, ir.Constant(_V32I8, [SMALL_BIAS] * 32)) for v in values]
+                    low, high = (builder.bitcast(v, _V8I32) for v in values)
+                    kq = builder.add(k0, builder.mul(q, ir.Constant(intp, QUAD)))
                     for c in range(QUAD):
-                        k = builder.add(k0, ir.Constant(intp, QUAD * q + c))
-                        for codes4, column in ((low, k), (high, builder.add(k, ir.Constant(intp, 16)))):
-                            shifted = builder.lshr(codes4, ir.Constant(_V8I32, [8 * c] * LANES)) if c else codes4
-                            code = builder.and_(shifted, byte) if c < QUAD - 1 else shifted
+                        k = builder.add(kq, ir.Constant(intp, c))
+                        for codes4, column in ((low, k), (high, builder.add(k, ir.Constant(intp, half)))):
+                            if signed:  # byte c of each lane, sign-extended
+                                top = builder.shl(codes4, ir.Constant(_V8I32, [24 - 8 * c] * LANES)) \
+                                    if c < QUAD - 1 else codes4
+                                code = builder.ashr(top, ir.Constant(_V8I32, [24] * LANES))
+                            else:
+                                shifted = builder.lshr(codes4, ir.Constant(_V8I32, [8 * c] * LANES)) if c else codes4
+                                code = builder.and_(shifted, byte) if c < QUAD - 1 else shifted
                             add_column(builder.sitofp(code, _V8F), column, c % unroll)
 
             zero = ir.Constant(_V8F, [0.0] * LANES)
@@ -201,8 +240,8 @@ def _make_tile_product(rows: int):
                     for a in row_acc:
                         builder.store(zero, a)
                 k0 = builder.mul(g, group_v)
-                if five:
-                    five_bit_group(builder.gep(code_base, [builder.mul(g, group_stride)]), k0)
+                if packed:
+                    packed_group(builder.gep(code_base, [builder.mul(g, group_stride)]), k0)
                 else:
                     byte_group(builder.gep(code_base, [builder.mul(builder.mul(g, per_group),
                                                                    ir.Constant(intp, LANES))]), k0)

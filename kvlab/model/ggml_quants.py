@@ -22,9 +22,10 @@ resident bytes per weight, against the file's (offset-free types keep no offsets
   Q2_K 1.5 (0.3281)
 
 5-, 6-, 3- and 2-bit codes are widened to a byte each here: simpler code, more bytes than the file. The
-model's tiles (model/quantized.py) pack 5-bit codes again in both layouts, a nibble and a bit
-(model/qtiles.to_dot_codes5): Q5_0 0.75 bytes a weight with float32 scales (the exact mode), 0.6875 with the
-integer kernels' float16 ones (activations="q8", the default for block types): the file's.
+model's tiles (model/quantized.py) pack 5- and 6-bit codes again in both layouts, a nibble and a bit or a
+crumb (model/qtiles.to_packed_codes): Q5_0 0.75 bytes a weight with float32 scales (the exact mode), 0.6875
+with the integer kernels' float16 ones (activations="q8", the default for block types): the file's; Q6_K
+0.8281 in both (a factored scale an int8 a group): 1.01x the file's. 3- and 2-bit codes stay a byte.
 """
 
 from __future__ import annotations

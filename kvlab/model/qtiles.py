@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvlab.kernels.layout import BIT_PLANE, LANES
+from kvlab.kernels.layout import BIT_PLANE, CRUMB_PLANE, LANES
 from kvlab.model.ggml_quants import Unpacked
 
 # The widest nibble group the integer kernels take: on AVX2 without VNNI they keep nibbles' pair sums in 16
@@ -78,9 +78,9 @@ def to_dot_codes(codes: np.ndarray, groups: int) -> np.ndarray:
 
 def from_dot_codes(dot: np.ndarray, groups: int, bias: int = 0) -> np.ndarray:
     """Tiled codes (the float kernels' layout) of dot-layout codes: the inverse of `to_dot_codes`
-    ([T, G, w * 8] quads -> [T, G * w * 8]), or of `to_dot_codes5` where `dot` has four axes."""
+    ([T, G, w * 8] quads -> [T, G * w * 8]), or of `to_packed_codes` where `dot` has four axes."""
     if dot.ndim == 4:
-        return _from_dot_codes5(dot, groups, bias)
+        return _from_packed(dot, groups, bias)
     tiles, width = dot.shape[0], dot.shape[2] // LANES
     shaped = dot.reshape(tiles, groups, width // 4, LANES, 4)
     return np.ascontiguousarray(shaped.transpose(0, 1, 2, 4, 3)).reshape(tiles, groups * width * LANES)
@@ -88,14 +88,14 @@ def from_dot_codes(dot: np.ndarray, groups: int, bias: int = 0) -> np.ndarray:
 
 def gather_dot_codes(dot: np.ndarray, index: np.ndarray, bias: int = 0) -> np.ndarray:
     """Row-ordered codes [len(index), G * w] of rows `index` (all in whole tiles) of dot-layout codes
-    [T, G, w * 8]: an embedding lookup reads the integer kernels' layout as it is, no second copy. 5-bit
-    codes (four axes) are widened a tile at a time, the tiles the rows sit in only, then the rows taken."""
+    [T, G, w * 8]: an embedding lookup reads the integer kernels' layout as it is, no second copy. 5- and
+    6-bit codes (four axes) are widened a tile at a time, the tiles the rows sit in only, then the rows taken."""
     if dot.ndim == 4:  # each tile widened once, however many of its rows are taken (a band takes all eight)
-        groups = dot.shape[1]
+        groups, width = dot.shape[1], _packed_group(dot)
         needed, where = np.unique(index // LANES, return_inverse=True)
-        tiled = _from_dot_codes5(dot[needed], groups, bias).reshape(len(needed), groups, FIVE_BIT_GROUP, LANES)
+        tiled = _from_packed(dot[needed], groups, bias).reshape(len(needed), groups, width, LANES)
         picked = tiled[where.reshape(-1), :, :, index % LANES]
-        return np.ascontiguousarray(picked).reshape(len(index), groups * FIVE_BIT_GROUP)
+        return np.ascontiguousarray(picked).reshape(len(index), groups * width)
     tiles, groups, width = dot.shape[0], dot.shape[1], dot.shape[2] // LANES
     shaped = dot.reshape(tiles, groups, width // 4, LANES, 4)
     return np.ascontiguousarray(shaped[index // LANES, :, :, index % LANES, :]).reshape(len(index), groups * width)
@@ -104,13 +104,50 @@ def gather_dot_codes(dot: np.ndarray, index: np.ndarray, bias: int = 0) -> np.nd
 # Types whose codes are 5-bit (0..31 once Q5_0's bias 16 is added): the integer kernels read them as a nibble
 # and a bit (`to_dot_codes5`), 5 bits a weight as in the file, where int8 codes were 8 (SmolLM2's Q4_K_M file
 # is mostly Q5_0: its 576 columns are no multiple of 256, so llama.cpp falls back from Q4_K).
-FIVE_BIT_TYPES = ("Q5_0", "Q5_1", "Q5_K")
+# Q6_K's 6-bit codes (-32..31, 0..63 once layout.SMALL_BIAS is added) likewise as a nibble and a crumb
+# (`to_dot_codes6`): Q4_K_M files keep their embeddings and half their v and down matrices in Q6_K.
+PACKED_TYPES = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}
 FIVE_BIT_GROUP = 32  # columns a group: 16 nibble bytes a row (kernels/qdot.py takes four 32-byte loads a group)
+SIX_BIT_GROUP = 16  # columns a group: 8 nibble bytes a row (two 32-byte loads a group)
+PACKED_GROUPS = {5: FIVE_BIT_GROUP, 6: SIX_BIT_GROUP}
 
 
-def packs_five_bit(type_name: str, group: int) -> bool:
-    """Whether the dot layout keeps a matrix's codes 5 bits each (`to_dot_codes5`)."""
-    return type_name in FIVE_BIT_TYPES and group == FIVE_BIT_GROUP
+def packed_bits(type_name: str, group: int) -> int:
+    """The bits a code both layouts keep a matrix's codes in below a byte (`to_packed_codes`): 5 or 6, else 0."""
+    bits = PACKED_TYPES.get(type_name, 0)
+    return bits if bits and group == PACKED_GROUPS[bits] else 0
+
+
+def to_packed_codes(codes: np.ndarray, groups: int, bits: int, bias: int) -> np.ndarray:
+    """Tiled codes (int8 [T, G * group * 8]) packed `bits` bits each: `to_dot_codes5` or `to_dot_codes6`."""
+    return to_dot_codes5(codes, groups, bias) if bits == 5 else to_dot_codes6(codes, groups, bias)
+
+
+def _packed_group(dot: np.ndarray) -> int:
+    """Columns a group of packed codes: int8 arrays are 6-bit ones (layout.CRUMB_PLANE), uint8 5-bit."""
+    return SIX_BIT_GROUP if dot.dtype == np.int8 else FIVE_BIT_GROUP
+
+
+def _from_packed(dot: np.ndarray, groups: int, bias: int) -> np.ndarray:
+    """Tiled int8 codes [T, G * group * 8] of packed ones (`to_packed_codes` inverted, bias taken off)."""
+    return _from_dot_codes6(dot, groups, bias) if dot.dtype == np.int8 else _from_dot_codes5(dot, groups, bias)
+
+
+def _in_bands(codes: np.ndarray, out: np.ndarray, pack) -> np.ndarray:
+    """out[t0:t1] = pack(codes[t0:t1]) a band of tiles of ~256 K codes at a time: whole, the temporaries for
+    an embedding table's 28 M codes were ~150 MiB on top of a load's peak."""
+    band = max(1, (1 << 18) // max(codes.shape[1], 1))
+    for t0 in range(0, codes.shape[0], band):
+        out[t0:t0 + band] = pack(codes[t0:t0 + band])
+    return out
+
+
+def _biased(codes: np.ndarray, bias: int, bits: int) -> np.ndarray:
+    """code + bias as uint8, refused unless every one lies in 0..2**bits - 1."""
+    u = codes.astype(np.int16) + bias
+    if u.size and (u.min() < 0 or u.max() >= 1 << bits):
+        raise ValueError(f"{bits}-bit codes (plus bias {bias}) must lie in 0..{(1 << bits) - 1}")
+    return u.astype(np.uint8)
 
 
 def to_dot_codes5(codes: np.ndarray, groups: int, bias: int) -> np.ndarray:
@@ -119,22 +156,15 @@ def to_dot_codes5(codes: np.ndarray, groups: int, bias: int) -> np.ndarray:
     byte (r, c) = row r's column 4q + c in the low nibble, column 16 + 4q + c in the high), then one plane of
     the fifth bits: 8 bytes per load q, byte r = the bits of row r's eight codes of that load (bit c: column
     4q + c, bit 4 + c: column 16 + 4q + c), so one 8-byte load, a byte shuffle and two masks give a load's
-    bits in the bytes beside its nibbles (kernels/qdot.py). Made a band of tiles at a time: whole, its
-    temporaries for an embedding table's 28 M codes were ~150 MiB on top of a load's peak."""
-    tiles = codes.shape[0]
-    out = np.empty((tiles, groups, BIT_PLANE + 1, 32), dtype=np.uint8)
-    band = max(1, (1 << 18) // max(codes.shape[1], 1))  # tiles of ~256 K codes
-    for t0 in range(0, tiles, band):
-        out[t0:t0 + band] = _five_bit_planes(codes[t0:t0 + band], groups, bias)
-    return out
+    bits in the bytes beside its nibbles (kernels/qdot.py). Made a band of tiles at a time (`_in_bands`)."""
+    out = np.empty((codes.shape[0], groups, BIT_PLANE + 1, 32), dtype=np.uint8)
+    return _in_bands(codes, out, lambda band: _five_bit_planes(band, groups, bias))
 
 
 def _five_bit_planes(codes: np.ndarray, groups: int, bias: int) -> np.ndarray:
     """`to_dot_codes5` of a band of tiles."""
     tiles = codes.shape[0]
-    u = (codes.reshape(tiles, groups, FIVE_BIT_GROUP, LANES).astype(np.int16) + bias).astype(np.uint8)
-    if u.max(initial=0) > 31:
-        raise ValueError(f"5-bit codes (plus bias {bias}) must lie in 0..31")
+    u = _biased(codes, bias, 5).reshape(tiles, groups, FIVE_BIT_GROUP, LANES)
     half = FIVE_BIT_GROUP // 2
     nibbles = (u[:, :, :half] & 0x0F) | ((u[:, :, half:] & 0x0F) << 4)  # [T, G, 16, 8]: byte j, row r
     planes = to_dot_codes(nibbles.reshape(tiles, groups * FIVE_BIT_GROUP // 2 * LANES), groups)
@@ -157,6 +187,49 @@ def _from_dot_codes5(dot: np.ndarray, groups: int, bias: int) -> np.ndarray:
     high = ((bits >> shifts) & 1).reshape(tiles, groups, FIVE_BIT_GROUP, LANES)
     u = low | (high << 4)
     return (u.astype(np.int16) - bias).astype(np.int8).reshape(tiles, groups * FIVE_BIT_GROUP * LANES)
+
+
+def to_dot_codes6(codes: np.ndarray, groups: int, bias: int) -> np.ndarray:
+    """Tiled 6-bit codes (int8 [T, G * 16 * 8], code + bias in 0..63: Q6_K's with layout.SMALL_BIAS) as the
+    integer kernels read them: [T, G, 3, 32] per group, two planes of 32 bytes as `to_dot_codes` makes of
+    nibbles in groups of 16 (load p: byte 4r + c = row r's column 4p + c in the low nibble, 8 + 4p + c in the
+    high), then one plane of crumbs: byte 4r + c holds the two high bits of column 4p + c at bits 4p, 4p + 1
+    and of column 8 + 4p + c at 4p + 2, 4p + 3, so a load's high bits are the crumb plane shifted by a
+    constant and masked, the same for every byte (kernels/qdot.py): 6 bits a weight, as in the file. int8,
+    the bytes of code + bias: the dtype tells the kernels 6-bit codes from 5-bit ones (layout.CRUMB_PLANE)."""
+    out = np.empty((codes.shape[0], groups, CRUMB_PLANE + 1, 32), dtype=np.uint8)
+    return _in_bands(codes, out, lambda band: _six_bit_planes(band, groups, bias)).view(np.int8)
+
+
+# the crumb plane's shift for (half h, load p): column 8h + 4p + c's two high bits sit at bit 4p + 2h
+_CRUMB_SHIFTS = (4 * np.arange(CRUMB_PLANE, dtype=np.uint8)[None, :]
+                 + 2 * np.arange(2, dtype=np.uint8)[:, None]).reshape(1, 1, 2, CRUMB_PLANE, 1, 1)
+
+
+def _six_bit_planes(codes: np.ndarray, groups: int, bias: int) -> np.ndarray:
+    """`to_dot_codes6` of a band of tiles (uint8)."""
+    tiles = codes.shape[0]
+    u = _biased(codes, bias, 6).reshape(tiles, groups, SIX_BIT_GROUP, LANES)  # (t, g, column, row)
+    half = SIX_BIT_GROUP // 2
+    nibbles = (u[:, :, :half] & 0x0F) | ((u[:, :, half:] & 0x0F) << 4)  # [T, G, 8, 8]: byte j, row r
+    planes = to_dot_codes(nibbles.reshape(tiles, groups * half * LANES), groups).reshape(tiles, groups, CRUMB_PLANE, 32)
+    high = (u >> 4).reshape(tiles, groups, 2, CRUMB_PLANE, 4, LANES)  # (half, load p, column c, row r)
+    crumbs = (high << _CRUMB_SHIFTS).sum(axis=(2, 3), dtype=np.uint8)  # [T, G, c, r]: disjoint bits, an OR
+    crumbs = crumbs.transpose(0, 1, 3, 2).reshape(tiles, groups, 1, 32)  # byte 4r + c
+    return np.ascontiguousarray(np.concatenate([planes, crumbs], axis=2))
+
+
+def _from_dot_codes6(dot: np.ndarray, groups: int, bias: int) -> np.ndarray:
+    """The inverse of `to_dot_codes6`: [T, G, 3, 32] -> tiled int8 codes [T, G * 16 * 8] (code, bias taken off)."""
+    tiles, u8 = dot.shape[0], dot.view(np.uint8)
+    half = SIX_BIT_GROUP // 2
+    nibbles = from_dot_codes(np.ascontiguousarray(u8[:, :, :CRUMB_PLANE]).reshape(tiles, groups, CRUMB_PLANE * 32),
+                             groups).reshape(tiles, groups, half, LANES)
+    low = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=2)  # [T, G, 16, 8]
+    crumbs = u8[:, :, CRUMB_PLANE].reshape(tiles, groups, LANES, 4).transpose(0, 1, 3, 2)  # (t, g, c, r)
+    high = (crumbs.reshape(tiles, groups, 1, 1, 4, LANES) >> _CRUMB_SHIFTS) & 3  # (t, g, h, p, c, r)
+    u = low | (high.reshape(tiles, groups, SIX_BIT_GROUP, LANES) << 4)
+    return (u.astype(np.int16) - bias).astype(np.int8).reshape(tiles, groups * SIX_BIT_GROUP * LANES)
 
 
 def row_ordered(tiled: np.ndarray | None, tail: np.ndarray | None, groups: int) -> np.ndarray | None:

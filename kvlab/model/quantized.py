@@ -26,7 +26,7 @@ from kvlab.model.ggml_quants import (BLOCK_SIZES, GROUPS, NIBBLE_TYPES, OFFSET_T
                                      resident_bytes, unpack)
 from kvlab.model.act_quant import rounded
 from kvlab.model.qtiles import (LANES, NIBBLE_GROUP_MAX, expand_scales, factor_scales, from_dot_codes,
-                                gather_dot_codes, gather_rows, packs_five_bit, to_dot_codes, to_dot_codes5,
+                                gather_dot_codes, gather_rows, packed_bits, to_dot_codes, to_packed_codes,
                                 to_tiles)
 
 MAX_KERNEL_ROWS = 16
@@ -38,7 +38,8 @@ TILE_VALUES = 1 << 18  # float32 values of one dequantized tile in a prefill pro
 # types whose offsets are a power of two times the scale, kept as that factor in the float layout's tiles
 FOLDED_OFFSETS = {"Q4_0": -8.0}
 # 5-bit types whose codes are signed (Q5_0's -16..15): both layouts keep code + bias, 0..31, in 5 bits
-# (qtiles.to_dot_codes5), the float layout with the offset -bias * scale folded as Q4_0's -8 is
+# (qtiles.to_dot_codes5), the float layout with the offset -bias * scale folded as Q4_0's -8 is. Q6_K's 6-bit
+# codes are kept as code + SMALL_BIAS (qtiles.to_dot_codes6), which the float kernels take off themselves
 FIVE_BIT_BIAS = {"Q5_0": 16}
 # types whose scales are the file's own float16 (the dot layout keeps them so); the K types' product scales
 # (d * sub-block scale) are rarely exact in float16: both layouts keep them factored (an int8 a group, a
@@ -71,11 +72,12 @@ def predicted_bytes(type_name: str, shape: tuple[int, int], activations: str = "
 
 
 def _code_bytes(type_name: str, cols: int) -> int:
-    """Bytes of one row's codes in the tiles (either layout): nibbles half a byte, 5-bit types 5/8 of a
-    byte (qtiles.to_dot_codes5), every other code a byte."""
+    """Bytes of one row's codes in the tiles (either layout): nibbles half a byte, 5- and 6-bit types 5/8 and
+    6/8 of a byte (qtiles.to_packed_codes), every other code a byte."""
     if type_name in NIBBLE_TYPES:
         return cols // 2
-    return cols * 5 // 8 if packs_five_bit(type_name, GROUPS[type_name]) else cols
+    bits = packed_bits(type_name, GROUPS[type_name])
+    return cols * bits // 8 if bits else cols
 
 
 class QuantizedMatrix:
@@ -84,8 +86,8 @@ class QuantizedMatrix:
 
     The layouts: `tiles`, the float kernels' (codes, float32 scales and offsets, interleaved by row: the
     exact products, kernels/qgemv.py; Q4_0's offsets as the factor -8 on the scales, FOLDED_OFFSETS; a K
-    type's factored as in the dot layout; 5-bit codes the dot layout's own array, a nibble and a bit, Q5_0's
-    as code + 16 with the offset -16 * scale folded, FIVE_BIT_BIAS), and
+    type's factored as in the dot layout; 5- and 6-bit codes the dot layout's own array, a nibble and a bit
+    or a crumb, Q5_0's as code + 16 with the offset -16 * scale folded, FIVE_BIT_BIAS), and
     `dot_layout`, the integer kernels' (codes in quads, float16 scales where exact, a K type's factored,
     Q4_0's offsets folded into a bias: `activations="q8"`, kernels/qdot.py). Asking
     for one converts from the other and drops it (a permutation of the same codes, the same values), so a
@@ -113,10 +115,11 @@ class QuantizedMatrix:
         tiles, tail = to_tiles(unpacked, tail_offsets_only=folded)
         if folded:
             tiles = Unpacked(tiles.codes, tiles.scales, None, tiles.group, FOLDED_OFFSETS[type_name])
-        if packs_five_bit(type_name, unpacked.group):  # 5 bits a code, as the file (qtiles.to_dot_codes5)
-            bias = FIVE_BIT_BIAS.get(type_name, 0)
-            tiles = Unpacked(to_dot_codes5(tiles.codes, unpacked.scales.shape[1], bias), tiles.scales, tiles.offsets,
-                             tiles.group, -float(bias) if bias else None)
+        bits = packed_bits(type_name, unpacked.group)
+        if bits:  # 5 or 6 bits a code, as the file (qtiles.to_packed_codes)
+            bias = FIVE_BIT_BIAS.get(type_name, 0)  # folded as an offset; Q6_K's SMALL_BIAS is the kernels'
+            tiles = Unpacked(to_packed_codes(tiles.codes, unpacked.scales.shape[1], bits, _code_bias(type_name)),
+                             tiles.scales, tiles.offsets, tiles.group, -float(bias) if bias else None)
         return cls(type_name, factored_tiles(type_name, tiles), tail)
 
     @classmethod
@@ -152,8 +155,8 @@ class QuantizedMatrix:
     def dot_layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray, np.ndarray]:
         """(codes, scales, offsets, bias, base scales, base offsets): the tiles as the integer kernels read
         them (kernels/qdot.py), made from the float layout, which is dropped. Codes in quads
-        (qtiles.to_dot_codes; 5-bit types' as a nibble and a bit, 5 bits a code: qtiles.to_dot_codes5, Q5_0's
-        bias 16); scales float16 where that is exact (the file's own float16: every type but
+        (qtiles.to_dot_codes; 5- and 6-bit types' as a nibble and a bit or a crumb: qtiles.to_packed_codes,
+        Q5_0's bias 16, Q6_K's SMALL_BIAS); scales float16 where that is exact (the file's own float16: every type but
         the K types); a K type's scales and offsets (d * sub-block scale) as int8 per group times a float32
         base per super-block and row (qtiles.factor_scales: the same float32 values, a quarter of the
         bytes), else float32; Q4_0's offsets (-8 * scale) folded into bias 8 rather than read; int8 codes
@@ -170,8 +173,8 @@ class QuantizedMatrix:
             raise ValueError(f"{self.type_name}: nibble groups of {self.group} columns are wider than the integer "
                              f"kernels' 16-bit pair sums allow ({NIBBLE_GROUP_MAX})")
         scales, offsets, base_scales, base_offsets = self._dot_scales(t)
-        if self._five_bit:  # the float layout's own codes (a nibble and a bit a code); Q5_0's are code + 16
-            return t.codes, scales, offsets, FIVE_BIT_BIAS.get(self.type_name, 0), base_scales, base_offsets
+        if self._packed:  # the float layout's own codes (a nibble and a bit or a crumb a code)
+            return t.codes, scales, offsets, _code_bias(self.type_name), base_scales, base_offsets
         codes = to_dot_codes(t.codes, self.tail.scales.shape[1])
         no_offsets = np.zeros((0, 0), dtype=np.float32)
         if t.offsets is None and t.offset_scale == -8.0:  # folded already: Q4_0's bias 8
@@ -230,14 +233,15 @@ class QuantizedMatrix:
         if self._tiles is not None:
             return self._tiles
         dot_codes, dot_scales, dot_offsets, bias, base_scales, base_offsets = self._dot
-        # 5-bit codes: the same array in both layouts; others are quads here, columns there
-        codes = dot_codes if self._five_bit else from_dot_codes(dot_codes, self.tail.scales.shape[1], bias)
+        # 5- and 6-bit codes: the same array in both layouts; others are quads here, columns there
+        codes = dot_codes if self._packed else from_dot_codes(dot_codes, self.tail.scales.shape[1], bias)
         if dot_scales.dtype == np.int8:  # a K type's factored scales: the float layout keeps them so too
             return Unpacked(codes, dot_scales, dot_offsets if dot_offsets.shape[0] else None, self.group, None,
                             base_scales, base_offsets if base_offsets.size else None)
         scales, offsets = self._dot_scales_offsets()
-        if self._five_bit:
-            return Unpacked(codes, scales, offsets, self.group, -float(bias) if bias else None)
+        if self._packed:
+            folded = FIVE_BIT_BIAS.get(self.type_name)
+            return Unpacked(codes, scales, offsets, self.group, -float(folded) if folded else None)
         fold = FOLDED_OFFSETS.get(self.type_name)
         if fold is not None and offsets is not None and self._dot[3] == 8:
             return Unpacked(codes, scales, None, self.group, fold)
@@ -249,9 +253,9 @@ class QuantizedMatrix:
         return self.tail.group
 
     @property
-    def _five_bit(self) -> bool:
-        """Whether the dot layout keeps the codes 5 bits each (qtiles.to_dot_codes5)."""
-        return packs_five_bit(self.type_name, self.group)
+    def _packed(self) -> int:
+        """The bits a code both layouts keep the codes in below a byte (qtiles.to_packed_codes): 5, 6 or 0."""
+        return packed_bits(self.type_name, self.group)
 
     @property
     def unpacked(self) -> Unpacked:
@@ -324,11 +328,11 @@ class QuantizedMatrix:
             index = np.arange(self.shape[0])[index]
         with self._lock:
             t = self._tiles
-            if t is not None and self._five_bit:  # the codes as the dot layout's (below), the scales gathered
+            if t is not None and self._packed:  # the codes as the dot layout's (below), the scales gathered
                 index = np.asarray(index, dtype=np.int64).reshape(-1)
                 picked = gather_rows(*self._widened_tiles(index, False)) if t.base_scales is not None else \
                     gather_rows(Unpacked(None, t.scales, t.offsets, t.group), self.tail, index)
-                return replace(picked, codes=self._picked_codes(t.codes, index, FIVE_BIT_BIAS.get(self.type_name, 0))
+                return replace(picked, codes=self._picked_codes(t.codes, index, _code_bias(self.type_name))
                                if codes else None)
             if t is not None and t.base_scales is not None:
                 return gather_rows(*self._widened_tiles(np.asarray(index, dtype=np.int64).reshape(-1), codes))
@@ -578,6 +582,11 @@ class RowStack:
 
 
 QuantizedLinear = (QuantizedMatrix, RowStack)
+
+
+def _code_bias(type_name: str) -> int:
+    """What packed codes hold above the file's (qtiles.to_packed_codes): Q5_0's 16, Q6_K's SMALL_BIAS, else 0."""
+    return SMALL_BIAS if packed_bits(type_name, GROUPS[type_name]) == 6 else FIVE_BIT_BIAS.get(type_name, 0)
 
 
 def _holding_tiles(index: np.ndarray, tiles: int) -> tuple[np.ndarray, np.ndarray]:
