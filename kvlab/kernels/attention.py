@@ -312,7 +312,7 @@ def _split_heads(qkv, heads, kv_heads, d, scale):
     return scaled, keys, values
 
 
-@njit(cache=True)
+@njit(fastmath=False, cache=True)
 def write_and_attend(qkv, heads, k_blocks, v_blocks, slot_blocks, slot_rows, tables, starts, ends, span, threads,
                      scale, out, zero):
     """Attention from a block's q/k/v rows inside a one-call block (kernels/decode_block.py), each row a
@@ -339,7 +339,7 @@ def write_and_attend(qkv, heads, k_blocks, v_blocks, slot_blocks, slot_rows, tab
                      np.int64(1), tables, starts, ends, span, threads, out, zero)
 
 
-@njit(cache=True)
+@njit(fastmath=False, cache=True)
 def write_codes_and_attend(qkv, heads, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, kind, group, slot_blocks,
                            slot_rows, tables, starts, ends, span, threads, scale, out, zero):
     """`write_and_attend` over a pool of int8 / int4 / fp8 codes (`kernel_operands` of each layer's

@@ -23,12 +23,12 @@ _F16_MIN_NORMAL = 2.0 ** -14
 _F16_SUBNORMAL = 2.0 ** -24
 
 
-@njit(cache=True)
+@njit(fastmath=False, cache=True)
 def _negative(x):
     return x < 0 or (x == 0 and math.copysign(1.0, x) < 0)
 
 
-@njit(cache=True)
+@njit(fastmath=False, cache=True)
 def f16_round(x, up):
     """The float16 value next to x in direction up (+inf) or down (-inf), as a float64: the largest float16
     <= x, or the smallest >= x (x itself when representable); past float16's range, inf or its max."""
@@ -49,7 +49,7 @@ def f16_round(x, up):
     return -r if neg else r
 
 
-@njit(cache=True)
+@njit(fastmath=False, cache=True)
 def f16_bits(v):
     """The float16 bit pattern (uint16) of a float64 that float16 represents exactly (or +-inf)."""
     sign = 0x8000 if _negative(v) else 0
@@ -62,7 +62,7 @@ def f16_bits(v):
     return np.uint16(sign | ((e - 1 + 15) << 10) | int((2.0 * m - 1.0) * 1024.0))
 
 
-@njit(cache=True)
+@njit(fastmath=False, cache=True)
 def fp8_bits(x, mantissa, bias, largest):
     """fp8 code (uint8) of x: clipped to +-largest, rounded to nearest even (subnormals included)."""
     v = min(max(float(x), -largest), largest)
@@ -77,7 +77,7 @@ def fp8_bits(x, mantissa, bias, largest):
     return np.uint8(sign | ((exponent + bias) << mantissa) | (int(steps) - (1 << mantissa)))
 
 
-@njit(cache=True)
+@njit(fastmath=False, cache=True)
 def encode_into(x, codes, scale, zero, blocks, rows, kind, group):
     """Row n of x [N, H_kv, d] (float32/float64), head h, into codes[blocks[n], h, rows[n]] (uint8, d or
     d/2 wide) and, for int kinds, its float16 scale and zero bits per group into scale/zero [.., d/group]

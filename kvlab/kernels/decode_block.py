@@ -71,7 +71,7 @@ def _block(qkv_rope, output_mlp, x, norm, eps, w_qkv, bias, q_norm, k_norm, q_he
     output_mlp(x, attn.reshape(seqs, q_heads * d), w_o, b_o, post_norm, eps, w_gate_up, w_down, zero)
 
 
-@njit(cache=True)
+@njit(fastmath=False, cache=True)
 def decode_block(x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, zero, attention, w_o,
                  b_o, post_norm, w_gate_up, w_down):
     """x [S, hidden] through one block of float matrices, in place: `qkv_rope` (its arguments as there, its
@@ -83,7 +83,7 @@ def decode_block(x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, r
            cos, sin, rotated_heads, zero, attention, w_o, b_o, post_norm, w_gate_up, w_down)
 
 
-@njit(cache=True)
+@njit(fastmath=False, cache=True)
 def qdecode_block(x, norm, eps, w_qkv, bias, q_norm, k_norm, q_heads, cos, sin, rotated_heads, zero, attention,
                   w_o, b_o, post_norm, w_gate_up, w_down):
     """`decode_block` over quantized matrices (kernel_args tuples, or stacks of them: qdecode_layer.py)."""

@@ -123,7 +123,7 @@ def _matvec(x, w, out, zero):
     products(x, w, out, zero)
 
 
-@njit(parallel=True, cache=True)
+@njit(fastmath=False, parallel=True, cache=True)
 def _widen_matrix(w, out):
     for n in prange(w.shape[0]):
         for k in range(w.shape[1]):
@@ -164,7 +164,7 @@ def silu_times_up(gate_up, out, inter):
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
-@njit(cache=True)
+@njit(fastmath=False, cache=True)
 def _geglu_rows(gate_up, out):
     """out = gelu_tanh(gate) * up (layers.geglu), element by element in float64: no vector code whose
     tail would treat an element by where it sits, so a row's result never depends on the rows beside it."""

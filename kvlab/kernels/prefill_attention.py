@@ -36,7 +36,7 @@ SCORE_BYTES = 192 * 1024  # a work item's score tile (query rows x visible keys)
 MAX_TILE = 32
 
 
-@njit(parallel=True, cache=True)
+@njit(fastmath=False, parallel=True, cache=True)
 def _widen_spans(k_blocks, v_blocks, tables, klo, koff, keys, values_t):
     """keys[h, koff[s] + t] = K row klo[s] + t of sequence s, head h, widened; values_t[h, :, koff[s] + t]
     likewise for V: every sequence's visible span, one after another (no padding to the longest)."""

@@ -59,7 +59,7 @@ def _float_product(x, w, out):
             tail_rows(x, xsum, w[3], w[4], w[5], w[6], out, tiles * 8)
 
 
-@njit(cache=True)
+@njit(fastmath=False, cache=True)
 def _part(x, w, out, start):
     """Columns start.. of out = x @ w.T for one matrix w of a stack; returns the column after them."""
     rows = w[0].shape[0] * 8 + w[4].shape[0]
@@ -72,7 +72,7 @@ def _part(x, w, out, start):
     return start + rows
 
 
-@njit(cache=True)
+@njit(fastmath=False, cache=True)
 def _stack_product(x, w, out):
     """out = x @ W.T for matrices stacked by rows whose types differ (a tuple of 2 or 3: a Q4_K_M file's Q4_K
     q/k beside its Q6_K v), each part its own product into its columns, exactly as it would run alone (its
@@ -85,7 +85,7 @@ def _stack_product(x, w, out):
         _part(x, w[2], out, _part(x, w[1], out, _part(x, w[0], out, np.int64(0))))
 
 
-@njit(cache=True)
+@njit(fastmath=False, cache=True)
 def _product(x, w, out):
     """out = x @ W.T for one matrix or a stack (see above), from Python (the tests); the layer kernels
     branch the same way themselves."""

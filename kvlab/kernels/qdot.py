@@ -360,8 +360,8 @@ def _make_tile_dot(rows: int, pair: bool = False):
                     if six:  # each nibble's two high bits, as 16s, from the group's plane of crumbs
                         plane = _load(builder, codes_g, group_bytes, _V32I8)
                         if pair:
-                            plane = _concat(builder, plane, _load(builder, codes_g, builder.add(tile_bytes, group_bytes),
-                                                                  _V32I8))
+                            second = _load(builder, codes_g, builder.add(tile_bytes, group_bytes), _V32I8)
+                            plane = _concat(builder, plane, second)
                         parts = [(builder.or_(c, b), kk) for (c, kk), b in zip(parts, crumbs(builder, plane, load))]
                     for codes4, kk in parts:
                         for i in range(rows):

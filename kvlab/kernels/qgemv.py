@@ -57,7 +57,9 @@ def _code(codes, n, k, group, nibbles):
 # No fast-math: numba links a kernel's code into every caller and optimises it again there, and with
 # `reassoc`/`contract` LLVM was free to sum or fuse a tail row's steps differently in each copy (seen: a
 # cold run's stacked q/k/v tail 1 ulp from the same matrix's product alone). Strict IEEE order gives every
-# copy one result; the tail is fewer than eight rows a matrix, so its speed does not show.
+# copy one result; the tail is fewer than eight rows a matrix, so its speed does not show. Inlined, it takes
+# its caller's flags: `_qmatmul` and `dot_product` state fastmath=False, or a fast-math caller that compiled
+# them first would have given them its own (tests/test_kernel_flags.py).
 @njit(cache=True, inline="always")
 def tail_rows(x, xsum, codes, scales, offsets, group, out, n0, dx=None):
     """out[:, n0 + i] for the row-ordered tail rows i (fewer than eight): a plain loop, it is small.
@@ -92,7 +94,7 @@ def group_sums_into(x, group, xsum):
             xsum[m, g] = total
 
 
-@njit(parallel=True, cache=True)
+@njit(fastmath=False, parallel=True, cache=True)
 def _qmatmul(x, xsum, t_xsum, codes, scales, offsets, t_codes, t_scales, t_offsets, group, base_scales, base_offsets,
              out):
     """out [M, N] = x @ W.T for W as (tiles, tail); tiles over the threads, the tail on the last index. The
@@ -158,13 +160,13 @@ def _round_rows_into(x, group, bias, xq, dx, qbias, fsum):
 # A decode step's row or two stay on the calling thread (a parallel region costs more than they do); a
 # batch's or a prefill's rows go over the threads: at 16 rows of SmolLM2's down input the serial rounding
 # was a quarter of the product's time on two threads (18 of 78 us).
-round_rows_into = njit(cache=True, error_model="numpy")(_round_rows_into)
-_round_rows_parallel = njit(parallel=True, cache=True, error_model="numpy")(
+round_rows_into = njit(fastmath=False, cache=True, error_model="numpy")(_round_rows_into)
+_round_rows_parallel = njit(fastmath=False, parallel=True, cache=True, error_model="numpy")(
     renamed(_round_rows_into, "_round_rows_parallel"))
 ROUND_PARALLEL_ROWS = 4
 
 
-@njit(cache=True)
+@njit(fastmath=False, cache=True)
 def round_rows(x, group, bias):
     """(xq, dx, qbias, fsum) of `round_row` for every row of x [M, K] float32."""
     rows, groups = x.shape[0], x.shape[1] // group
@@ -220,7 +222,7 @@ def dot_tiles(xq, dx, qbias, fsum, codes, scales, offsets, base_scales, base_off
 PAIR_MIN_ROWS = 16
 
 
-@njit(parallel=True, cache=True)
+@njit(fastmath=False, parallel=True, cache=True)
 def dot_product(x, w, out):
     """out = x @ W.T with x rounded to int8 per group (`round_rows`) and integer dot products, W as the
     tuple `dot_kernel_args` makes; tiles (pairs of tiles from PAIR_MIN_ROWS rows of x where qdot.PAIRS)
@@ -368,7 +370,7 @@ def _packed_columns(codes, t, g, base, lane_scale, lane_offset, has_offsets, out
                 out[k + half, base + r] = high
 
 
-@njit(parallel=True, cache=True)
+@njit(fastmath=False, parallel=True, cache=True)
 def _dequantize_tiles_t(codes, scales, offsets, base_scales, base_offsets, factor, group, t0, t1, out):
     """out[k, 8(t - t0) + r] = scale * code + offset * factor for tiles t0..t1-1 (factor 1, or a folded
     offset's power of two: exact): the band transposed, so a tile's eight interleaved codes of one column

@@ -92,8 +92,11 @@ def crumbs(builder: ir.IRBuilder, plane: ir.Value, load: int) -> tuple[ir.Value,
     mask = ir.Constant(vector, [0x30] * vector.count)
     out = []
     for bit in (4 * load, 4 * load + 2):  # the crumb's lowest bit, moved to bit 4
-        moved = plane if bit == 4 else (builder.shl(plane, ir.Constant(vector, [4 - bit] * vector.count))
-                                        if bit < 4 else builder.lshr(plane, ir.Constant(vector, [bit - 4] * vector.count)))
+        moved = plane
+        if bit < 4:
+            moved = builder.shl(plane, ir.Constant(vector, [4 - bit] * vector.count))
+        elif bit > 4:
+            moved = builder.lshr(plane, ir.Constant(vector, [bit - 4] * vector.count))
         out.append(builder.and_(moved, mask))
     return out[0], out[1]
 
