@@ -117,9 +117,8 @@ class QuantizedMatrix:
             tiles = Unpacked(tiles.codes, tiles.scales, None, tiles.group, FOLDED_OFFSETS[type_name])
         bits = packed_bits(type_name, unpacked.group)
         if bits:  # 5 or 6 bits a code, as the file (qtiles.to_packed_codes)
-            bias = FIVE_BIT_BIAS.get(type_name, 0)  # folded as an offset; Q6_K's SMALL_BIAS is the kernels'
             tiles = Unpacked(to_packed_codes(tiles.codes, unpacked.scales.shape[1], bits, _code_bias(type_name)),
-                             tiles.scales, tiles.offsets, tiles.group, -float(bias) if bias else None)
+                             tiles.scales, tiles.offsets, tiles.group, _folded_bias(type_name))
         return cls(type_name, factored_tiles(type_name, tiles), tail)
 
     @classmethod
@@ -156,8 +155,8 @@ class QuantizedMatrix:
         """(codes, scales, offsets, bias, base scales, base offsets): the tiles as the integer kernels read
         them (kernels/qdot.py), made from the float layout, which is dropped. Codes in quads
         (qtiles.to_dot_codes; 5- and 6-bit types' as a nibble and a bit or a crumb: qtiles.to_packed_codes,
-        Q5_0's bias 16, Q6_K's SMALL_BIAS); scales float16 where that is exact (the file's own float16: every type but
-        the K types); a K type's scales and offsets (d * sub-block scale) as int8 per group times a float32
+        Q5_0's bias 16, Q6_K's SMALL_BIAS); scales float16 where that is exact (the file's own float16: every
+        type but the K types); a K type's scales and offsets (d * sub-block scale) as int8 per group times a float32
         base per super-block and row (qtiles.factor_scales: the same float32 values, a quarter of the
         bytes), else float32; Q4_0's offsets (-8 * scale) folded into bias 8 rather than read; int8 codes
         bias 128 (the kernel's code + 128), or beside factored scales (Q6_K, Q3_K) layout.SMALL_BIAS 32.
@@ -240,8 +239,7 @@ class QuantizedMatrix:
                             base_scales, base_offsets if base_offsets.size else None)
         scales, offsets = self._dot_scales_offsets()
         if self._packed:
-            folded = FIVE_BIT_BIAS.get(self.type_name)
-            return Unpacked(codes, scales, offsets, self.group, -float(folded) if folded else None)
+            return Unpacked(codes, scales, offsets, self.group, _folded_bias(self.type_name))
         fold = FOLDED_OFFSETS.get(self.type_name)
         if fold is not None and offsets is not None and self._dot[3] == 8:
             return Unpacked(codes, scales, None, self.group, fold)
@@ -587,6 +585,13 @@ QuantizedLinear = (QuantizedMatrix, RowStack)
 def _code_bias(type_name: str) -> int:
     """What packed codes hold above the file's (qtiles.to_packed_codes): Q5_0's 16, Q6_K's SMALL_BIAS, else 0."""
     return SMALL_BIAS if packed_bits(type_name, GROUPS[type_name]) == 6 else FIVE_BIT_BIAS.get(type_name, 0)
+
+
+def _folded_bias(type_name: str) -> float | None:
+    """The float layout's offset factor for packed codes that keep a bias (Q5_0's -16: offset = -16 * scale,
+    FIVE_BIT_BIAS); None for the rest (Q6_K's 32 the float kernels take off themselves)."""
+    bias = FIVE_BIT_BIAS.get(type_name)
+    return -float(bias) if bias else None
 
 
 def _holding_tiles(index: np.ndarray, tiles: int) -> tuple[np.ndarray, np.ndarray]:
